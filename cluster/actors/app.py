@@ -1,0 +1,60 @@
+"""The Serve application: one Gateway plus one ModelReplica deployment per model.
+
+`build_app` is the import path of deploy/serve.yaml (`cluster.actors.app:build_app`)
+and what `mlx-fleet up` deploys, so both build the same graph from an AppConfig.
+
+Placement: each fleet node advertises the custom resource `mlx_fleet`; a replica
+asks for a sliver of it (so several models can share a node) and
+`max_replicas_per_node=1` spreads one replica of each model per node.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.actors.gateway import Gateway
+from cluster.actors.replica import ModelReplica
+from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec
+
+REPLICA_RESOURCE_SHARE = 0.001
+
+
+def deployment_name(model: str) -> str:
+    return "model-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", model)
+
+
+def fleet_node_count() -> int:
+    """Alive Ray nodes that carry the fleet resource (0 when not connected to Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    return sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE))
+
+
+def replica_deployment(spec: ModelSpec, config: AppConfig, nodes: int):
+    replicas = spec.num_replicas if spec.num_replicas is not None else max(nodes, 1)
+    return serve.deployment(ModelReplica).options(
+        name=deployment_name(spec.name),
+        num_replicas=replicas,
+        max_replicas_per_node=1,
+        max_ongoing_requests=spec.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0, "resources": {NODE_RESOURCE: REPLICA_RESOURCE_SHARE}},
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=30,
+    )
+
+
+def build_app(args: dict | AppConfig) -> Application:
+    """Serve builder: `args` is an AppConfig or its dict form (from YAML)."""
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    nodes = fleet_node_count()
+    handles = {spec.name: replica_deployment(spec, config, nodes).bind(spec, config) for spec in config.models}
+    gateway = serve.deployment(Gateway).options(
+        name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+    )
+    return gateway.bind(config, handles)

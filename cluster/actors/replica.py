@@ -1,0 +1,111 @@
+"""ModelReplica: one mlx-lm model on one fleet node, as a Ray Serve deployment.
+
+The gateway calls `generate` through a DeploymentHandle with token ids and gets
+a stream of event lists back. All model work runs on the replica's scheduler
+thread; this class only bridges it to Ray's asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+from cluster.config import AppConfig, ModelSpec
+from cluster.engine.cold_session import ColdSession
+from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished
+from cluster.engine.request import GenerateRequest
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.sequence import Sequence
+from cluster.models.resolve import resolve_model
+from cluster.node import current_node
+from cluster.store.leases import LeaseWriter
+
+log = logging.getLogger(__name__)
+
+
+class ModelReplica:
+    """Loads the model, runs requests, keeps its lease in Redis."""
+
+    def __init__(self, spec: ModelSpec, app: AppConfig):
+        from mlx_lm import load
+
+        self.spec = spec
+        self.node = current_node(app.data_dir)
+        self.started = time.time()
+        path = resolve_model(spec.source, Path(app.data_dir).expanduser())
+        self.model, self.tokenizer = load(str(path))
+        self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}")
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0,
+                         "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+        self.lease = None
+        if app.redis_url:
+            self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats)
+        log.info("replica of %s ready on node %s (%s)", spec.name, self.node.node_id, path)
+
+    async def generate(self, request: GenerateRequest):
+        """Stream lists of events for one request; the first list is [Accepted]."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.counters["requests"] += 1
+        yield [Accepted(self.node.node_id)]
+        seq = Sequence(list(request.prompt_tokens), request.params, self.model, self.tokenizer,
+                       self._session(), self.spec.prefill_step_tokens)
+        self.scheduler.submit(request.request_id, seq,
+                              lambda events: loop.call_soon_threadsafe(inbox.put_nowait, events))
+        ended = False
+        try:
+            while not ended:
+                events = await inbox.get()
+                while not inbox.empty():
+                    events.extend(inbox.get_nowait())
+                ended = any(isinstance(e, TERMINAL) for e in events)
+                if ended:
+                    self._count(events)
+                yield events
+        finally:
+            if not ended:
+                self.counters["cancelled"] += 1
+                self.scheduler.cancel(request.request_id)
+
+    def _session(self):
+        return ColdSession(self.model)
+
+    def _count(self, events: list[Event]) -> None:
+        for e in events:
+            if isinstance(e, Finished):
+                self.counters["finished"] += 1
+                self.counters["prompt_tokens"] += e.prompt_tokens
+                self.counters["cached_tokens"] += e.cached_tokens
+                self.counters["completion_tokens"] += e.completion_tokens
+            elif isinstance(e, Failed):
+                self.counters["failed"] += 1
+
+    def stats(self) -> dict:
+        """Small, msgpack-able: goes into the lease and into status."""
+        return {
+            "node_id": self.node.node_id,
+            "model": self.spec.name,
+            "pid": os.getpid(),
+            "started": self.started,
+            "renewed": time.time(),
+            "active": self.scheduler.active,
+            **self.counters,
+        }
+
+    async def ping(self) -> str:
+        return self.node.node_id
+
+    def check_health(self) -> None:
+        if not self.scheduler.alive:
+            raise RuntimeError("model thread died")
+
+    def __del__(self):
+        lease = getattr(self, "lease", None)
+        if lease is not None:
+            lease.close()
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.stop()

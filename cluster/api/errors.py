@@ -1,0 +1,67 @@
+"""OpenAI-format errors.
+
+Every error leaves the gateway as {"error": {"message", "type", "param", "code"}}
+with a status that says whose fault it is: 4xx for the client's, 5xx only for
+ours, and 503 + Retry-After when no replica can take the request now.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error the gateway answers with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str, available: list[str]) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist. Available: {', '.join(available)}",
+                    param="model", code="model_not_found")
+
+
+def unavailable(message: str, retry_after_s: int) -> APIError:
+    return APIError(503, message, type="service_unavailable", code="no_replica_available",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def internal(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+def from_validation_errors(errors: list[dict]) -> APIError:
+    """Turn FastAPI/pydantic validation errors into one 400 naming the first bad field."""
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"Request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
+    message = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return bad_request(f"Invalid value for '{param}': {message}{more}", param)

@@ -1,0 +1,14 @@
+"""Benchmarks: scripts that measure against a peer or a limit in the same run."""
+
+from __future__ import annotations
+
+BENCHMARKS: dict[str, str] = {}
+
+
+def run_benchmark(name: str, argv: list[str]) -> int:
+    import importlib
+
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHMARKS)) or '(none yet)'}")
+    module = importlib.import_module(BENCHMARKS[name])
+    return module.main(argv)

@@ -1,0 +1,185 @@
+"""`mlx-fleet`: start, stop, inspect and benchmark a fleet.
+
+Every subcommand builds the same pydantic config objects the Serve app uses,
+so a bad flag fails with the field's name and what to do, before anything
+starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from cluster.config import AppConfig, CacheConfig, FleetConfig, GatewayConfig, ModelSpec, default_data_dir
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-fleet", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a local fleet and wait until it is healthy")
+    up.add_argument("--nodes", type=int, default=1, help="Ray nodes on this machine (default 1)")
+    up.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE",
+                    help="built-in name, model directory or Hugging Face repo id; repeat to serve several (default tiny-dense)")
+    up.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block (16-256)")
+    up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4"], help="how K/V are kept")
+    up.add_argument("--no-cache", action="store_true", help="disable KV block reuse")
+    up.add_argument("--max-context", type=int, default=None, help="override every model's context window")
+    up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503")
+    up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the fleet")
+    _data_dir(up)
+
+    down = sub.add_parser("down", help="stop every process the fleet under --data-dir started")
+    _data_dir(down)
+
+    status = sub.add_parser("status", help="nodes, replicas and models of a running fleet")
+    status.add_argument("--json", action="store_true")
+    _data_dir(status)
+
+    models = sub.add_parser("models", help="list the built-in models (building any that are missing)")
+    models.add_argument("--json", action="store_true")
+    _data_dir(models)
+
+    bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
+    bench.add_argument("name", help="which benchmark: codec | ttft | blocksize")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return p
+
+
+def _data_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help=f"fleet state directory (default $MLX_FLEET_DATA_DIR or {default_data_dir()})")
+
+
+def _fleet_config(a: argparse.Namespace) -> FleetConfig:
+    overrides = {"max_context": a.max_context} if a.max_context else {}
+    models = [ModelSpec.parse(m, **overrides) for m in (a.model or ["tiny-dense"])]
+    cache = {k: v for k, v in {"block_tokens": a.block_tokens, "kv_codec": a.kv_codec}.items() if v is not None}
+    if a.no_cache:
+        cache["enabled"] = False
+    gateway = {"assign_timeout_s": a.assign_timeout} if a.assign_timeout else {}
+    app = AppConfig(models=models, redis_url=a.redis_url, cache=CacheConfig(**cache), gateway=GatewayConfig(**gateway))
+    return FleetConfig(nodes=a.nodes, port=a.port, host=a.host, redis_url=a.redis_url,
+                       data_dir=a.data_dir or default_data_dir(), dashboard=not a.no_dashboard,
+                       foreground=a.foreground, app=app)
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from cluster.fleet.launcher import up
+
+    cfg = _fleet_config(a)
+    t0 = time.monotonic()
+    print(f"mlx-fleet: starting {cfg.nodes} node(s) under {cfg.data_dir}")
+    state = up(cfg)
+    model = cfg.app.models[0].name
+    print(f"\nmlx-fleet is up in {time.monotonic() - t0:.1f}s: {cfg.nodes} node(s), model(s) {', '.join(state.models)}")
+    print(f"  endpoint:  {state.http_url}/v1")
+    if state.dashboard_url:
+        print(f"  dashboard: {state.dashboard_url}")
+    print("  try:\n"
+          f"    curl {state.http_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'")
+    print(f"  stop:      mlx-fleet down --data-dir {state.data_dir}")
+    if cfg.foreground:
+        return _stay_attached(Path(state.data_dir))
+    return 0
+
+
+def _stay_attached(data_dir: Path) -> int:
+    from cluster.fleet.launcher import down
+
+    print("(foreground: Ctrl-C stops the fleet)")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nstopping ...")
+    down(data_dir)
+    return 0
+
+
+def cmd_down(a: argparse.Namespace) -> int:
+    from cluster.fleet.launcher import down
+
+    data_dir = a.data_dir or default_data_dir()
+    n = down(data_dir)
+    print(f"mlx-fleet: stopped {n} process(es) under {Path(data_dir).expanduser()}" if n
+          else f"mlx-fleet: nothing running under {Path(data_dir).expanduser()}")
+    return 0
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from cluster.fleet.launcher import connect
+    from cluster.fleet.state import load_state
+    from cluster.fleet.status import fleet_status
+
+    data_dir = a.data_dir or default_data_dir()
+    state = load_state(data_dir)
+    if state is None or not state.ready:
+        print(f"mlx-fleet: no fleet is running under {Path(data_dir).expanduser()} (start one with `mlx-fleet up`)",
+              file=sys.stderr)
+        return 1
+    connect(state)
+    status = fleet_status(state.redis_url, state.models)
+    status["endpoint"] = state.http_url
+    status["dashboard"] = state.dashboard_url
+    if a.json:
+        print(json.dumps(status, indent=2, default=str))
+        return 0
+    from cluster.fleet.status_text import render
+
+    print(render(status))
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from cluster.models.listing import list_builtin_models
+
+    rows = list_builtin_models(Path(a.data_dir or default_data_dir()).expanduser())
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['family']:<12} {r['parameters'] / 1e6:6.2f}M  {r['path']}")
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from cluster.bench import run_benchmark
+
+    return run_benchmark(a.name, a.rest)
+
+
+COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "models": cmd_models, "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        return COMMANDS[args.command](args)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        print(f"mlx-fleet: invalid {field}: {err['msg']}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as e:
+        print(f"mlx-fleet: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

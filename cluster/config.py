@@ -1,0 +1,138 @@
+"""Configuration: one pydantic model per concern.
+
+The CLI (`mlx-fleet up`), the Serve config file (`deploy/serve.yaml`, whose
+`args` are an `AppConfig`) and the tests all build these same objects, so a
+field means the same thing everywhere. Every field has a description and extra
+keys are refused, so a typo in a YAML file is an error that names the field,
+not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.models.catalog import DEFAULT_MODEL
+
+NODE_RESOURCE = "mlx_fleet"
+NODE_LABEL = "mlx-fleet/node"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+def default_data_dir() -> Path:
+    """Where fleet state lives unless --data-dir says otherwise."""
+    return Path(os.environ.get("MLX_FLEET_DATA_DIR", "~/.mlx-fleet")).expanduser()
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CacheConfig(_Config):
+    """The replica's KV block cache: block size, codec and the RAM tier."""
+
+    enabled: bool = Field(True, description="Reuse KV blocks across requests. Off means every prompt is prefilled cold.")
+    block_tokens: int = Field(
+        64, ge=16, le=256,
+        description="Tokens per KV block (16-256). Part of the model fingerprint: nodes with different values never share blocks. 64 was chosen by measurement (docs/cache.md).",
+    )
+    kv_codec: Literal["native", "q8", "q4"] = Field(
+        "native",
+        description="How attention K/V are kept: 'native' in the model dtype (exact), or 'q8'/'q4' as mlx QuantizedKVCache (smaller, changes numerics, full-attention models only).",
+    )
+    kv_group_size: int = Field(64, description="Quantization group size along head_dim for q8/q4.")
+    ram_bytes: int = Field(
+        2 << 30, ge=0,
+        description="Byte budget of the replica's in-process RAM tier of encoded blocks (LRU).",
+    )
+    checkpoint_every_bytes: int = Field(
+        64 << 20, ge=0,
+        description="Recurrent-state checkpoints (hybrid models) are taken at every k-th block boundary, with k chosen so that checkpoints cost about this many bytes per k blocks of KV; the last full block of every prompt always gets one.",
+    )
+
+
+class ModelSpec(_Config):
+    """One served model: a deployment of ModelReplica, one replica per node."""
+
+    name: str = Field(description="The id clients send as `model`.")
+    source: str = Field(
+        description="A built-in model name (tiny-dense, tiny-swa, tiny-hybrid, ...), a local mlx-lm model directory, or a Hugging Face repo id such as mlx-community/Qwen3-4B-4bit.",
+    )
+    max_context: Optional[int] = Field(
+        None, ge=16, description="Context window in tokens. Default: the model config's max_position_embeddings.",
+    )
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none (clipped to the context left).")
+    max_ongoing_requests: int = Field(16, ge=1, le=1024, description="Requests one replica runs at once (interleaved token by token); more wait in the router.")
+    num_replicas: Optional[int] = Field(
+        None, ge=0, description="Replicas of this model. Default: one per fleet node (nodes with the mlx_fleet resource).",
+    )
+    prefill_step_tokens: int = Field(512, ge=16, description="Prompt tokens per prefill chunk; other requests' decode steps interleave between chunks.")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"model name {v!r} must be 1-128 characters of letters, digits and ._:/- ; pass NAME=SOURCE to choose one")
+        return v
+
+    @classmethod
+    def parse(cls, text: str, **overrides) -> "ModelSpec":
+        """`NAME=SOURCE` or just `SOURCE` (a local path is named after its directory)."""
+        if "=" in text:
+            name, source = text.split("=", 1)
+        else:
+            source = text
+            path = Path(source).expanduser()
+            name = path.name if (source.startswith((".", "/", "~")) or path.is_dir()) else source
+        return cls(name=name, source=source, **overrides)
+
+
+class GatewayConfig(_Config):
+    """The HTTP gateway: limits and how it waits for replicas."""
+
+    assign_timeout_s: float = Field(
+        15.0, gt=0, description="How long a request may wait for a replica to accept it before the gateway answers 503 with Retry-After.",
+    )
+    retry_after_s: int = Field(2, ge=1, description="Retry-After seconds sent with 503 responses.")
+
+
+class AppConfig(_Config):
+    """Everything the Serve application is built from (`cluster.actors.app:build_app`)."""
+
+    models: list[ModelSpec] = Field(
+        default_factory=lambda: [ModelSpec(name=DEFAULT_MODEL, source=DEFAULT_MODEL)],
+        min_length=1, description="The models to serve, one deployment each.",
+    )
+    redis_url: Optional[str] = Field(None, description="The shared Redis (index and node leases), e.g. redis://10.0.0.1:6379/0. None disables fleet-wide features.")
+    data_dir: str = Field(
+        "~/.mlx-fleet",
+        description="Base directory for built models and block stores. Each node uses <data_dir>/<node-id>/ unless its Ray node was started with MLX_FLEET_NODE_DATA_DIR.",
+    )
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="KV block cache settings, shared by all models.")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="Gateway settings.")
+    lease_ttl_s: float = Field(6.0, gt=1, description="A replica whose lease in Redis is older than this is considered gone.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "AppConfig":
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"models: names must be unique, {sorted(dup)} repeats; use NAME=SOURCE to rename one")
+        return self
+
+
+class FleetConfig(_Config):
+    """`mlx-fleet up`: a local fleet of N Ray nodes on this machine."""
+
+    nodes: int = Field(1, ge=1, le=32, description="Ray nodes to start on this machine, each with its own node id, data dir and one replica per model.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI endpoint.")
+    host: str = Field("127.0.0.1", description="Address the HTTP endpoint binds. Loopback by default; 0.0.0.0 exposes it to the network.")
+    redis_url: Optional[str] = Field(None, description="Use this Redis instead of starting one under the data dir.")
+    data_dir: Path = Field(default_factory=default_data_dir, description="Fleet state: pids, ports, logs, Redis, node dirs, built models.")
+    dashboard: bool = Field(True, description="Start the Ray dashboard on the head node.")
+    foreground: bool = Field(False, description="Stay attached and stop the fleet on Ctrl-C.")
+    app: AppConfig = Field(default_factory=AppConfig, description="The Serve application to deploy.")

@@ -1,0 +1,57 @@
+"""What a replica streams back to the gateway for one request.
+
+Small frozen objects, not dicts: they cross the Ray boundary and the gateway
+matches on their type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The replica took the request (sent before any model work)."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Started:
+    """Prefill is done and the first token follows; `cached_tokens` were restored, not computed."""
+
+    cached_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text (possibly empty while a stop string is undecided) and the tokens behind it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: Optional[tuple[float, ...]] = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended normally."""
+
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request could not be completed; `status` is the HTTP status the gateway should use."""
+
+    message: str
+    status: int = 500
+
+
+Event = Accepted | Started | Delta | Finished | Failed
+TERMINAL = (Finished, Failed)

@@ -1,0 +1,103 @@
+"""Runs every sequence of one replica on a single model thread.
+
+MLX work stays on one thread (the model and its caches are not shared across
+threads), and the asyncio loop that talks to Ray never blocks on it. Active
+sequences are advanced round-robin, one step each: a long prefill is cut into
+chunks and other requests' tokens flow between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+import mlx.core as mx
+
+from cluster.engine.events import Event, Failed
+from cluster.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[list[Event]], None]
+
+
+class Scheduler:
+    """A thread that owns the model and steps sequences in turn."""
+
+    def __init__(self, name: str = "mlx-fleet-model"):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[str, tuple[Sequence, Emit]] = {}
+        self._stopping = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def submit(self, request_id: str, seq: Sequence, emit: Emit) -> None:
+        self._inbox.put(("add", request_id, seq, emit))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id, None, None))
+
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the model thread between steps (e.g. cache maintenance)."""
+        self._inbox.put(("call", "", fn, None))
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", "", None, None))
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain(block=not self._active)
+            for request_id, (seq, emit) in list(self._active.items()):
+                self._step(request_id, seq, emit)
+            self.steps += 1
+            if self.steps % 256 == 0:
+                mx.clear_cache()
+        for request_id, (seq, emit) in list(self._active.items()):
+            seq.close()
+            emit([Failed("replica is shutting down", status=503)])
+
+    def _step(self, request_id: str, seq: Sequence, emit: Emit) -> None:
+        try:
+            events = seq.step()
+        except Exception as e:  # one bad request must not take the replica down
+            log.exception("request %s failed", request_id)
+            seq.close()
+            events = [Failed(f"generation failed: {type(e).__name__}: {e}", status=500)]
+        if events:
+            emit(events)
+        if seq.done:
+            self._active.pop(request_id, None)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, request_id, obj, emit = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self._active[request_id] = (obj, emit)
+            elif kind == "cancel":
+                entry = self._active.pop(request_id, None)
+                if entry:
+                    entry[0].close()
+            elif kind == "call":
+                try:
+                    obj()
+                except Exception:
+                    log.exception("model-thread call failed")
+            elif kind == "stop":
+                return

@@ -1,0 +1,156 @@
+"""One request's generation, advanced one step at a time.
+
+A step is one prefill chunk or one decode token, so a scheduler can interleave
+many sequences on one model without any of them waiting for another to finish.
+The KV cache comes from a `CacheSession`: cold (fresh mlx-lm caches) or
+restored from blocks; the session also sees the cache after every forward so it
+can capture new blocks before a sliding window rotates them out.
+
+Decode is pipelined like mlx-lm's generate_step: the forward for token t+1 is
+queued (async_eval) before token t is read back, so the device never idles on
+Python.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import mlx.core as mx
+
+from cluster.engine.events import Delta, Event, Finished, Started
+from cluster.engine.sampling import Sampler, SamplingParams
+from cluster.engine.stops import StopMatcher
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Per-request limits and sampling."""
+
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    record_logits: bool = False  # keep each step's logits (tests compare them across runs)
+
+
+class CacheSession(Protocol):
+    """Where a sequence's KV cache comes from and where its new blocks go."""
+
+    def restore(self) -> tuple[list, int]:
+        """Return (mlx-lm cache list, number of prompt tokens already in it)."""
+
+    def next_stop(self, start: int, limit: int, step: int) -> int:
+        """End of the next prefill chunk starting at `start` (at most `limit`)."""
+
+    def observe(self, cache: list, fed: list[int]) -> None:
+        """Called after every forward; `fed` are the tokens now in the cache."""
+
+    def close(self, cache: list, fed: list[int], completed: bool) -> None:
+        """The sequence is over (finished, failed or cancelled)."""
+
+
+class Sequence:
+    """Generation state of one request."""
+
+    def __init__(self, prompt: list[int], params: GenerationParams, model, tokenizer,
+                 session: CacheSession, prefill_step: int = 512):
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        self.prompt = list(prompt)
+        self.params = params
+        self.model = model
+        self.session = session
+        self.prefill_step = prefill_step
+        self.eos = set(tokenizer.eos_token_ids)
+        self.detok = tokenizer.detokenizer
+        self.stops = StopMatcher(list(params.stop))
+        self.sampler = Sampler(params.sampling)
+        self.cache: Optional[list] = None
+        self.fed: list[int] = []
+        self.generated: list[int] = []
+        self.logits: list[mx.array] = []
+        self.cached_tokens = 0
+        self.done = False
+        self._next: Optional[mx.array] = None
+        self._t0 = time.perf_counter()
+        self._t_first: Optional[float] = None
+
+    # -- stepping ---------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Advance by one prefill chunk or one token; return the events it produced."""
+        if self.cache is None:
+            self.cache, self.cached_tokens = self.session.restore()
+            self.fed = self.prompt[: self.cached_tokens]
+        last = len(self.prompt) - 1
+        if len(self.fed) < last:
+            end = self.session.next_stop(len(self.fed), last, self.prefill_step)
+            chunk = self.prompt[len(self.fed): end]
+            self.model(mx.array(chunk)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.fed.extend(chunk)
+            self.session.observe(self.cache, self.fed)
+            return []
+        if self._next is None:
+            self._next = self._forward(self.prompt[-1])
+            events = self._decode()
+            self._t_first = time.perf_counter()
+            return [Started(cached_tokens=self.cached_tokens, prompt_tokens=len(self.prompt))] + events
+        return self._decode()
+
+    def _forward(self, token) -> mx.array:
+        """Feed one token (int or lazy [1] array); return the lazily sampled next token."""
+        inputs = mx.array([token]) if isinstance(token, int) else token
+        logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
+        if self.params.record_logits:
+            self.logits.append(logits[0])
+        y = self.sampler(logits)
+        mx.async_eval(y)
+        self.fed.append(token if isinstance(token, int) else -1)  # fixed up once read back
+        return y
+
+    def _decode(self) -> list[Event]:
+        y = self._next
+        n = len(self.generated) + 1
+        room = n < self.params.max_tokens
+        nxt = self._forward(y) if room else None
+        token = int(y.item())
+        if nxt is not None:
+            self.fed[-1] = token
+        self.session.observe(self.cache, self.fed)
+        self.generated.append(token)
+        self._next = nxt
+        if token in self.eos:
+            return self._finish("stop", Delta(self.stops.feed(self._final_text()), (token,)))
+        self.detok.add_token(token)
+        text = self.stops.feed(self.detok.last_segment)
+        if self.stops.stopped:
+            return self._finish("stop", Delta(text, (token,)))
+        if not room:
+            return self._finish("length", Delta(text + self.stops.feed(self._final_text()), (token,)))
+        return [Delta(text, (token,))]
+
+    def _final_text(self) -> str:
+        self.detok.finalize()
+        return self.detok.last_segment
+
+    def _finish(self, reason: str, delta: Delta) -> list[Event]:
+        tail = self.stops.flush()
+        if tail:
+            delta = Delta(delta.text + tail, delta.token_ids)
+        self.done = True
+        self.close(completed=True)
+        now = time.perf_counter()
+        timings = {
+            "ttft_s": (self._t_first or now) - self._t0,
+            "total_s": now - self._t0,
+        }
+        return [delta, Finished(reason, len(self.prompt), len(self.generated), self.cached_tokens, timings)]
+
+    def close(self, completed: bool = False) -> None:
+        """Hand the cache back to the session once (finish, failure or cancel)."""
+        if self.cache is not None:
+            fed = [t for t in self.fed if t >= 0]
+            cache, self.cache = self.cache, None
+            self.session.close(cache, fed, completed)
+        self.done = True

@@ -1,0 +1,97 @@
+"""Start and stop the fleet's processes, and only those.
+
+Every process `mlx-fleet up` starts gets the environment variable
+MLX_FLEET_TAG=<data dir> and its own session (setsid). Children inherit both:
+Ray's raylet passes its environment to the workers it spawns. `down` signals
+each recorded session, then sweeps for any process still carrying the tag, so
+nothing is left behind and nothing of another fleet (another tag) is touched.
+`ray stop` is never used: it kills every Ray process on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterable
+
+import psutil
+
+TAG_ENV = "MLX_FLEET_TAG"
+
+
+def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """Start `argv` in its own session with output to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def run(argv: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> int:
+    """Run `argv` to completion in its own session (its daemons keep that session id)."""
+    proc = spawn(argv, env, log_path)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_sessions([proc.pid])
+        raise
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """Processes of this machine whose environment carries MLX_FLEET_TAG=tag."""
+    found = []
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        try:
+            if proc.environ().get(TAG_ENV) == tag:
+                found.append(proc)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def kill_sessions(session_ids: Iterable[int], sig: int = signal.SIGTERM) -> None:
+    for sid in session_ids:
+        try:
+            os.killpg(sid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0) -> int:
+    """SIGTERM the sessions and every tagged process, SIGKILL what is left; return how many were found."""
+    session_ids = list(session_ids)
+    kill_sessions(session_ids)
+    procs = tagged(tag)
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not [p for p in tagged(tag) if _alive(p)]:
+            break
+        time.sleep(0.2)
+    kill_sessions(session_ids, signal.SIGKILL)
+    left = tagged(tag)
+    for p in left:
+        _signal(p, signal.SIGKILL)
+    psutil.wait_procs(left, timeout=5)
+    return len(procs)
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,81 @@
+"""What a running local fleet looks like on disk: <data_dir>/fleet.json.
+
+`up` writes it as it starts each piece, so `down` can stop exactly what was
+started even if `up` died halfway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STATE_FILE = "fleet.json"
+
+
+class NodeProcess(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    node_id: str = Field(description="Fleet node id (node-0 is the Ray head).")
+    session_id: int = Field(description="Process session of the node's Ray daemons.")
+    data_dir: str = Field(description="The node's own data dir.")
+    log: str = Field(description="Log file of `ray start` for this node.")
+
+
+class FleetState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    data_dir: str
+    tag: str = Field(description="MLX_FLEET_TAG value carried by every process of this fleet.")
+    ray_temp_dir: str
+    ray_address: Optional[str] = None
+    dashboard_url: Optional[str] = None
+    redis_url: Optional[str] = None
+    redis_session_id: Optional[int] = None
+    http_url: Optional[str] = None
+    nodes: list[NodeProcess] = Field(default_factory=list)
+    models: list[str] = Field(default_factory=list)
+    started: float = 0.0
+    ready: bool = False
+
+    def session_ids(self) -> list[int]:
+        ids = [n.session_id for n in self.nodes]
+        if self.redis_session_id:
+            ids.append(self.redis_session_id)
+        return ids
+
+
+def fleet_tag(data_dir: Path) -> str:
+    return str(Path(data_dir).expanduser().resolve())
+
+
+def ray_temp_dir(data_dir: Path) -> Path:
+    """Short, per-fleet: Ray's unix socket paths must stay under ~100 characters."""
+    digest = hashlib.sha1(fleet_tag(data_dir).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"mlxf-{digest}"
+
+
+def state_path(data_dir: Path) -> Path:
+    return Path(data_dir).expanduser() / STATE_FILE
+
+
+def load_state(data_dir: Path) -> Optional[FleetState]:
+    path = state_path(data_dir)
+    if not path.is_file():
+        return None
+    return FleetState.model_validate_json(path.read_text())
+
+
+def save_state(state: FleetState) -> None:
+    path = state_path(Path(state.data_dir))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(state.model_dump(), indent=2))
+    os.replace(tmp, path)
+
+
+def clear_state(data_dir: Path) -> None:
+    state_path(data_dir).unlink(missing_ok=True)

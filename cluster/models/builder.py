@@ -1,0 +1,72 @@
+"""Build a built-in model directory on first use.
+
+The directory is assembled under a temporary name and renamed into place, so
+concurrent builders (two replicas and a gateway starting together) never see a
+half-written model: whoever renames first wins and the others discard theirs.
+Weights are generated from a fixed seed and saved from the MLX module itself,
+which guarantees that `load(strict=True)` finds every parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+from cluster.models.catalog import BuiltinModel
+from cluster.models.tokenizer_builder import build_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def is_built(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def build_model(spec: BuiltinModel, path: Path) -> Path:
+    """Build `spec` at `path` unless it is already there; return the path."""
+    if is_built(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _write_weights(spec, tmp)
+        (tmp / "config.json").write_text(json.dumps(spec.config, indent=2, sort_keys=True))
+        build_tokenizer(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not is_built(path):  # lost the race to a half-built dir? never: rename is atomic
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_weights(spec: BuiltinModel, out: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    # from_dict mutates nested dicts (qwen3_5 rope_parameters), so build from a copy.
+    config = copy.deepcopy(spec.config)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(spec.seed)
+    model = model_cls(args_cls.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(out / WEIGHTS_FILE), weights, {"format": "mlx"})
+
+
+def parameter_count(path: Path) -> int:
+    """Number of parameters stored in a model directory's safetensors files."""
+    import mlx.core as mx
+
+    total = 0
+    for f in sorted(path.glob("*.safetensors")):
+        total += sum(a.size for a in mx.load(str(f)).values())
+    return total

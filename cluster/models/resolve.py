@@ -1,0 +1,79 @@
+"""Turn what a user typed after --model into a local mlx-lm model directory.
+
+Three kinds of source, tried in this order:
+1. a built-in name: built on first use under <data_dir>/models/<name>;
+2. an existing local directory: used as is (it must hold config.json);
+3. a Hugging Face repo id (owner/name): fetched through mlx-lm's own download
+   path, so a Mac with network serves e.g. mlx-community/Qwen3-4B-4bit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.models.builder import build_model
+from cluster.models.catalog import BUILTINS
+
+_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelNotFound(ValueError):
+    """The source names no built-in model, local model directory or reachable repo."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the gateway and the CLI need to know about a resolved model."""
+
+    path: Path
+    family: str
+    context_length: int
+    builtin: bool
+
+
+def resolve_model(source: str, data_dir: Path) -> Path:
+    """Return a local directory holding the model named by `source`."""
+    if source in BUILTINS:
+        return build_model(BUILTINS[source], Path(data_dir).expanduser() / "models" / source)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"model {source!r}: {path} has no config.json; point --model at an mlx-lm model directory")
+        return path.resolve()
+    if _REPO_RE.match(source) and not source.startswith((".", "/", "~")):
+        return _download(source)
+    names = ", ".join(n for n, m in BUILTINS.items() if m.listed)
+    raise ModelNotFound(
+        f"model {source!r} is not a built-in model ({names}), not an existing directory, and not a Hugging Face repo id (owner/name)"
+    )
+
+
+def _download(repo: str) -> Path:
+    from mlx_lm.utils import _download as mlx_download
+
+    try:
+        return Path(mlx_download(repo))
+    except Exception as e:  # hub errors come in many types; all mean "cannot get it"
+        raise ModelNotFound(
+            f"model {repo!r}: could not fetch it from Hugging Face ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "check the repo id and the network, or pass a local directory"
+        ) from None
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def text_config(config: dict) -> dict:
+    """Multimodal configs (qwen3_5, gemma3) nest the language model's fields."""
+    return {**config, **config.get("text_config", {})}
+
+
+def model_info(source: str, data_dir: Path, max_context: int | None = None) -> ModelInfo:
+    path = resolve_model(source, data_dir)
+    config = text_config(read_config(path))
+    context = max_context or int(config.get("max_position_embeddings") or 4096)
+    return ModelInfo(path=path, family=config["model_type"], context_length=context, builtin=source in BUILTINS)
