@@ -51,15 +51,33 @@ def internal(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
 
+_TYPE_TAGS = {"int", "float", "str", "bool", "list", "dict", "none", "json-or-python"}
+
+
+def _field_path(loc) -> list[str]:
+    """The body path of an error, without pydantic's union-branch tags ('int', 'list[int]', ...)."""
+    path = []
+    for part in loc:
+        text = str(part)
+        if part == "body" and not path:
+            continue
+        if text in _TYPE_TAGS or "[" in text or text.startswith(("function-", "constrained-")):
+            break
+        path.append(text)
+    return path
+
+
 def from_validation_errors(errors: list[dict]) -> APIError:
     """Turn FastAPI/pydantic validation errors into one 400 naming the first bad field."""
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, f"Request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    if not loc:
+        return bad_request(f"The request body must be a JSON object with the API's fields: {first.get('msg', '')}")
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
     message = first.get("msg", "invalid value")

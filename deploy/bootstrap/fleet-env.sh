@@ -1,0 +1,13 @@
+# Environment of every Ray process on a fleet Mac. Sourced by deploy/cluster.yaml's start commands
+# and by ~/.bashrc (mac-setup.sh adds it), so drivers (`serve deploy`, scripts) see the same.
+MLX_FLEET_HOME="${MLX_FLEET_HOME:-$HOME/mlx-fleet}"
+export PATH="$MLX_FLEET_HOME/.venv/bin:/opt/homebrew/bin:$PATH"
+# Multi-node Ray on macOS is opt-in; without it a Mac binds loopback and refuses to join.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
+# One token for the whole fleet (mac-setup.sh copies the head's to every node).
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN_PATH="$HOME/.ray/mlx-fleet-token"
+export RAY_USAGE_STATS_ENABLED=0
+export MLX_FLEET_NODE_ID="${MLX_FLEET_NODE_ID:-$(hostname -s)}"
+export MLX_FLEET_DATA_DIR="${MLX_FLEET_DATA_DIR:-$HOME/.mlx-fleet}"
+export MLX_FLEET_NODE_DATA_DIR="${MLX_FLEET_NODE_DATA_DIR:-$MLX_FLEET_DATA_DIR/$MLX_FLEET_NODE_ID}"

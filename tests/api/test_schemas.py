@@ -1,0 +1,93 @@
+import pytest
+from pydantic import ValidationError
+
+from cluster.api.errors import from_validation_errors
+from cluster.api.schemas import ChatCompletionRequest, CompletionRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": MSG, **kw})
+
+
+def error_of(cls, body):
+    with pytest.raises(ValidationError) as e:
+        cls.model_validate(body)
+    return from_validation_errors(e.value.errors())
+
+
+def test_defaults_follow_openai():
+    r = chat()
+    assert (r.temperature, r.top_p, r.n, r.stream, r.requested_max_tokens()) == (1.0, 1.0, 1, False, None)
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).requested_max_tokens() == 16
+
+
+def test_max_completion_tokens_wins():
+    assert chat(max_tokens=5, max_completion_tokens=7).requested_max_tokens() == 7
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("max_tokens", -1, "max_tokens"),
+    ("max_tokens", 0, "max_tokens"),
+    ("max_tokens", 1 << 21, "max_tokens"),
+    ("max_tokens", "12", "max_tokens"),
+    ("temperature", 2.5, "temperature"),
+    ("temperature", -0.1, "temperature"),
+    ("temperature", "0.5", "temperature"),
+    ("top_p", 0, "top_p"),
+    ("top_p", 1.5, "top_p"),
+    ("n", 2, "n"),
+    ("stream", "yes", "stream"),
+    ("seed", 1.5, "seed"),
+    ("presence_penalty", 0.5, "presence_penalty"),
+    ("stop", ["x"] * 17, "stop"),
+])
+def test_bad_fields_are_400_naming_the_field(field, value, param):
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, field: value})
+    assert (err.status, err.param, err.type) == (400, param, "invalid_request_error")
+
+
+def test_empty_messages_and_missing_model():
+    assert error_of(ChatCompletionRequest, {"model": "m", "messages": []}).param == "messages"
+    err = error_of(ChatCompletionRequest, {"messages": MSG})
+    assert (err.param, err.code) == ("model", "missing_required_parameter")
+
+
+def test_bad_role_and_non_text_content():
+    assert error_of(ChatCompletionRequest, {"model": "m", "messages": [{"role": "robot", "content": "x"}]}).param == "messages.0.role"
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert error_of(ChatCompletionRequest, body).status == 400
+
+
+def test_text_parts_are_joined():
+    r = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert r.messages[0].text() == "ab"
+
+
+def test_stop_forms():
+    assert chat(stop="x").stop_list() == ("x",)
+    assert chat(stop=["x", "y"]).stop_list() == ("x", "y")
+    assert chat().stop_list() == ()
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["only"]}).prompt == "only"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2]]}).prompt == [1, 2]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
+    for bad in ("", [], ["a", "b"], 5):
+        assert error_of(CompletionRequest, {"model": "m", "prompt": bad}).param == "prompt"
+
+
+def test_unknown_fields_are_ignored():
+    assert chat(user="u", logit_bias=None, some_future_field=1).model == "m"
+
+
+def test_body_not_an_object():
+    err = from_validation_errors([{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary"}])
+    assert err.status == 400 and err.param is None and "JSON object" in err.message
+
+
+def test_json_invalid():
+    err = from_validation_errors([{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error"}])
+    assert (err.status, err.code) == (400, "invalid_json")

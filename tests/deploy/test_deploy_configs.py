@@ -1,0 +1,42 @@
+"""The shipped deploy files parse and validate exactly as Ray and our config models will read them."""
+
+from pathlib import Path
+
+import yaml
+
+from cluster.config import AppConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_serve_yaml_args_are_a_valid_app_config():
+    doc = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "cluster.actors.app:build_app"
+    cfg = AppConfig.model_validate(app["args"])
+    assert cfg.models[0].source == "mlx-community/Qwen3-4B-4bit"
+    assert doc["http_options"]["host"] == "0.0.0.0"
+
+
+def test_serve_yaml_import_path_resolves():
+    import importlib
+
+    module, attr = "cluster.actors.app:build_app".split(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+
+
+def test_cluster_yaml_passes_ray_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    assert raw["provider"]["type"] == "local" and raw["provider"]["head_ip"] and raw["provider"]["worker_ips"]
+    validate_config(prepare_config(raw))
+    starts = " ".join(raw["head_start_ray_commands"] + raw["worker_start_ray_commands"])
+    assert starts.count('"mlx_fleet": 1') == 2
+    assert "fleet-env.sh" in starts
+
+
+def test_fleet_env_opts_macs_into_multi_node_ray():
+    env = (DEPLOY / "bootstrap" / "fleet-env.sh").read_text()
+    for needed in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1", "RAY_AUTH_MODE=token", "MLX_FLEET_NODE_ID"):
+        assert needed in env

@@ -1,0 +1,56 @@
+"""A failing `mlx-fleet up` says what is wrong in one line, exits non-zero, and leaves nothing running."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from cluster.fleet.ports import free_port
+from cluster.fleet.processes import tagged
+from cluster.fleet.state import fleet_tag
+
+
+def up(data_dir, *args):
+    if "--port" not in args:
+        args = (*args, "--port", str(free_port()))
+    return subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--data-dir", str(data_dir), "--no-dashboard", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_clean_failure(result, data_dir, *phrases):
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0]
+    assert tagged(fleet_tag(data_dir)) == []
+
+
+def test_bad_model_path(tmp_path):
+    r = up(tmp_path, "--model", str(tmp_path / "missing-model"))
+    assert_clean_failure(r, tmp_path, "missing-model", "not an existing directory")
+
+
+def test_port_taken(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = up(tmp_path, "--port", str(port))
+    assert_clean_failure(r, tmp_path, f"port {port}", "--port")
+
+
+def test_unreachable_redis(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # bound, never listening: connections are refused
+        r = up(tmp_path, "--redis-url", f"redis://127.0.0.1:{dead}/0")
+    assert_clean_failure(r, tmp_path, "cannot reach Redis", "--redis-url")
+
+
+@pytest.mark.parametrize("args,field", [(["--nodes", "0"], "nodes"), (["--block-tokens", "7"], "block_tokens")])
+def test_config_errors_name_the_field(tmp_path, args, field):
+    r = up(tmp_path, *args)
+    assert r.returncode == 2
+    assert field in r.stderr
