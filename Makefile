@@ -1,7 +1,10 @@
 # mlx-fleet: `make up` starts a local fleet, `make test` runs the test suite.
 # Each target installs what is missing first (venv, package, redis-server), idempotently.
 
-PYTHON ?= $(shell command -v python3.12 || command -v python3.11 || command -v python3.10 || command -v python3)
+# The first interpreter that actually runs and is 3.10-3.13 (pyenv shims may exist but not run).
+PYTHON ?= $(shell for p in python3 python3.12 python3.11 python3.10 python3.13; do \
+	$$p -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] < (3, 14) else 1)' >/dev/null 2>&1 \
+	&& { command -v $$p; break; }; done)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 NODES  ?= 1
@@ -32,7 +35,7 @@ redis:
 	@deploy/bootstrap/ensure-redis.sh
 
 $(VENV)/bin/python:
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "mlx-fleet needs Python 3.10+; set PYTHON=/path/to/python3.1x")'
+	@test -n "$(PYTHON)" || { echo "mlx-fleet needs Python 3.10-3.13 (e.g. brew install python@3.12); or set PYTHON=/path/to/python3" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
