@@ -49,9 +49,9 @@ class CacheConfig(_Config):
         2 << 30, ge=0,
         description="Byte budget of the replica's in-process RAM tier of encoded blocks (LRU).",
     )
-    checkpoint_every_bytes: int = Field(
-        64 << 20, ge=0,
-        description="Recurrent-state checkpoints (hybrid models) are taken at every k-th block boundary, with k chosen so that checkpoints cost about this many bytes per k blocks of KV; the last full block of every prompt always gets one.",
+    checkpoint_overhead: float = Field(
+        0.5, ge=0,
+        description="Hybrid models: a recurrent-state checkpoint is stored every k-th block, with k the smallest interval whose checkpoints add at most this fraction to the KV bytes of those k blocks (real hybrids' checkpoints are tens of MiB). The last full block of every prompt and of every finished reply always gets one. 0 = only those.",
     )
 
 

@@ -19,6 +19,8 @@ from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished
 from cluster.engine.request import GenerateRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
+from cluster.kvcache.session import BlockSession
+from cluster.kvcache.setup import setup_cache
 from cluster.models.resolve import resolve_model
 from cluster.node import current_node
 from cluster.store.leases import LeaseWriter
@@ -37,6 +39,7 @@ class ModelReplica:
         self.started = time.time()
         path = resolve_model(spec.source, Path(app.data_dir).expanduser())
         self.model, self.tokenizer = load(str(path))
+        self.cache = setup_cache(self.model, self.tokenizer, path, app.cache, self.node.data_dir)
         self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}")
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
@@ -51,8 +54,9 @@ class ModelReplica:
         inbox: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.counters["requests"] += 1
         yield [Accepted(self.node.node_id)]
-        seq = Sequence(list(request.prompt_tokens), request.params, self.model, self.tokenizer,
-                       self._session(), self.spec.prefill_step_tokens)
+        prompt = list(request.prompt_tokens)
+        seq = Sequence(prompt, request.params, self.model, self.tokenizer, self._session(prompt),
+                       self.spec.prefill_step_tokens)
         self.scheduler.submit(request.request_id, seq,
                               lambda events: loop.call_soon_threadsafe(inbox.put_nowait, events))
         ended = False
@@ -70,8 +74,10 @@ class ModelReplica:
                 self.counters["cancelled"] += 1
                 self.scheduler.cancel(request.request_id)
 
-    def _session(self):
-        return ColdSession(self.model)
+    def _session(self, prompt: list[int]):
+        if self.cache.cache is None:
+            return ColdSession(self.model)
+        return BlockSession(self.cache.cache, prompt)
 
     def _count(self, events: list[Event]) -> None:
         for e in events:
@@ -93,7 +99,13 @@ class ModelReplica:
             "renewed": time.time(),
             "active": self.scheduler.active,
             **self.counters,
+            "cache": self.cache_stats(),
         }
+
+    def cache_stats(self) -> dict:
+        if self.cache.cache is None:
+            return {"enabled": False, "reason": self.cache.disabled_reason}
+        return {"enabled": True, "namespace": self.cache.fingerprint.short, **self.cache.cache.stats()}
 
     async def ping(self) -> str:
         return self.node.node_id

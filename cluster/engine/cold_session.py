@@ -10,11 +10,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 
 class ColdSession:
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, make_caches=None):
+        self.make_caches = make_caches or (lambda: make_prompt_cache(model))
 
     def restore(self) -> tuple[list, int]:
-        return make_prompt_cache(self.model), 0
+        return self.make_caches(), 0
 
     def next_stop(self, start: int, limit: int, step: int) -> int:
         return min(start + step, limit)

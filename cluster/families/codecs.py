@@ -1,0 +1,179 @@
+"""Cut mlx-lm caches into per-block arrays and build caches back, per layer kind.
+
+Dispatch is on the spec's type (CAPTURE / RESTORE tables), never on the model.
+
+What a KV block holds, per cache entry:
+  full       K, V of the block's B tokens                     [1, H, B, D] each
+  quantized  K and V as (packed, scales, biases), B tokens     6 arrays
+  sliding    K, V of the block's last min(B, W) tokens         (enough to rebuild any window)
+  recurrent  nothing: recurrent state lives in checkpoint entries instead
+A checkpoint entry holds, per recurrent entry, its arrays at exactly the block end.
+
+Restoring at position n:
+  full/quantized: the first n tokens of the concatenated blocks, in a buffer
+                  with headroom (an exactly-sized KVCache copies itself on the
+                  first decode step);
+  sliding:        the last min(n, W) tokens in temporal order, offset = n
+                  (absolute: RoPE depends on it), _idx = len;
+  recurrent:      the checkpoint taken at exactly n.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from cluster.families.specs import FullAttention, LayerSpec, QuantizedAttention, Recurrent, SlidingWindow
+
+STEP = 256  # KVCache's own growth step
+
+
+class CaptureError(RuntimeError):
+    """The cache no longer holds the tokens asked for (a window rotated them out)."""
+
+
+class RestoreError(ValueError):
+    """The given blocks cannot produce this layer's state at the asked position."""
+
+
+def new_cache(spec: LayerSpec):
+    """An empty mlx-lm cache object for one entry (what make_prompt_cache would give)."""
+    if isinstance(spec, FullAttention):
+        return KVCache()
+    if isinstance(spec, QuantizedAttention):
+        return QuantizedKVCache(group_size=spec.group_size, bits=spec.bits)
+    if isinstance(spec, SlidingWindow):
+        return RotatingKVCache(max_size=spec.window, keep=0)
+    return ArraysCache(size=spec.arrays)
+
+
+def sliding_keep(spec: SlidingWindow, block_tokens: int) -> int:
+    """How many of a block's last tokens a sliding entry stores."""
+    return min(block_tokens, spec.window)
+
+
+# -- capture ---------------------------------------------------------------
+def _capture_full(spec, cache: KVCache, start: int, end: int, block_tokens: int) -> list[mx.array]:
+    return [cache.keys[..., start:end, :], cache.values[..., start:end, :]]
+
+
+def _capture_quantized(spec, cache: QuantizedKVCache, start: int, end: int, block_tokens: int) -> list[mx.array]:
+    return [part[..., start:end, :] for part in (*cache.keys, *cache.values)]
+
+
+def _capture_sliding(spec: SlidingWindow, cache: RotatingKVCache, start: int, end: int,
+                     block_tokens: int) -> list[mx.array]:
+    keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    held = keys.shape[2]
+    first_held = cache.offset - held  # absolute position of keys[..., 0, :]
+    keep = sliding_keep(spec, block_tokens)
+    lo, hi = end - keep - first_held, end - first_held
+    if lo < 0 or hi > held:
+        raise CaptureError(f"sliding window holds [{first_held}, {cache.offset}), block needs [{end - keep}, {end})")
+    return [keys[..., lo:hi, :], values[..., lo:hi, :]]
+
+
+CAPTURE: dict[type, Callable] = {
+    FullAttention: _capture_full,
+    QuantizedAttention: _capture_quantized,
+    SlidingWindow: _capture_sliding,
+    Recurrent: lambda spec, cache, start, end, block_tokens: [],
+}
+
+
+def capture_block(spec: LayerSpec, cache, start: int, end: int, block_tokens: int) -> list[mx.array]:
+    """Arrays of tokens [start, end) for one entry (lazy slices; encode soon)."""
+    return CAPTURE[type(spec)](spec, cache, start, end, block_tokens)
+
+
+def capture_state(spec: LayerSpec, cache) -> list[mx.array]:
+    """A recurrent entry's arrays right now (references: ArraysCache replaces, never mutates, them)."""
+    if not isinstance(spec, Recurrent):
+        return []
+    if any(a is None for a in cache.cache):
+        raise CaptureError("recurrent cache is empty")
+    return list(cache.cache)
+
+
+# -- restore ---------------------------------------------------------------
+def _capacity(n: int, room: int) -> int:
+    return ((n + max(room, 1) + STEP - 1) // STEP) * STEP
+
+
+def _token_prefix(parts: list[list[mx.array]], n: int, block_tokens: int, capacity: int) -> list[mx.array]:
+    """Concatenate per-block arrays along tokens, keep the first n, pad to `capacity`."""
+    m = -(-n // block_tokens)
+    if m > len(parts) or any(p is None for p in parts[:m]):
+        raise RestoreError(f"need {m} blocks for {n} tokens, have {len(parts)}")
+    out = []
+    for k in range(len(parts[0])):
+        pieces = [parts[j][k] for j in range(m)]
+        tail = n - (m - 1) * block_tokens
+        pieces[-1] = pieces[-1][..., :tail, :]
+        first = pieces[0]
+        pad_shape = (*first.shape[:2], capacity - n, first.shape[3])
+        pieces.append(mx.zeros(pad_shape, dtype=first.dtype))
+        out.append(mx.concatenate(pieces, axis=2))
+    return out
+
+
+def _restore_full(spec, parts, n: int, block_tokens: int, room: int):
+    keys, values = _token_prefix(parts, n, block_tokens, _capacity(n, room))
+    cache = KVCache()
+    cache.keys, cache.values, cache.offset = keys, values, n
+    return cache
+
+
+def _restore_quantized(spec: QuantizedAttention, parts, n: int, block_tokens: int, room: int):
+    arrays = _token_prefix(parts, n, block_tokens, _capacity(n, room))
+    cache = QuantizedKVCache(group_size=spec.group_size, bits=spec.bits)
+    cache.keys, cache.values, cache.offset = tuple(arrays[:3]), tuple(arrays[3:]), n
+    return cache
+
+
+def _restore_sliding(spec: SlidingWindow, parts, n: int, block_tokens: int, room: int):
+    keep = sliding_keep(spec, block_tokens)
+    need_from = max(0, n - spec.window)
+    pieces_k, pieces_v, covered_to = [], [], None
+    j = -(-n // block_tokens) - 1  # last block touching [.., n)
+    have_from = n
+    while have_from > need_from:
+        if j < 0 or j >= len(parts) or parts[j] is None:
+            raise RestoreError(f"sliding window needs tokens from {need_from}, block {j} is missing")
+        lo, hi = (j + 1) * block_tokens - keep, min((j + 1) * block_tokens, have_from)
+        if hi < have_from or (covered_to is not None and hi != covered_to):
+            raise RestoreError("sliding payloads do not cover the window contiguously")
+        k, v = parts[j]
+        lo_abs = max(lo, need_from)
+        off = lo_abs - lo
+        pieces_k.insert(0, k[..., off: off + hi - lo_abs, :])
+        pieces_v.insert(0, v[..., off: off + hi - lo_abs, :])
+        have_from, covered_to, j = lo_abs, lo_abs, j - 1
+    cache = RotatingKVCache(max_size=spec.window, keep=0)
+    if n:
+        cache.keys = mx.concatenate(pieces_k, axis=2)
+        cache.values = mx.concatenate(pieces_v, axis=2)
+        cache._idx = cache.keys.shape[2]
+    cache.offset = n
+    return cache
+
+
+RESTORE: dict[type, Callable] = {
+    FullAttention: _restore_full,
+    QuantizedAttention: _restore_quantized,
+    SlidingWindow: _restore_sliding,
+}
+
+
+def restore_entry(spec: LayerSpec, parts: list[Optional[list[mx.array]]], n: int, block_tokens: int,
+                  room: int, state: Optional[list[mx.array]] = None):
+    """Rebuild one cache entry at position n from per-block arrays (and, for recurrent, a checkpoint)."""
+    if isinstance(spec, Recurrent):
+        if state is None or len(state) != spec.arrays:
+            raise RestoreError(f"recurrent entry needs a checkpoint at exactly {n}")
+        cache = ArraysCache(size=spec.arrays)
+        cache.cache = list(state)
+        return cache
+    return RESTORE[type(spec)](spec, parts, n, block_tokens, room)

@@ -1,0 +1,1 @@
+"""The replica-side KV block cache: plan, restore and capture prompt prefixes."""

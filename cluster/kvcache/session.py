@@ -1,0 +1,93 @@
+"""BlockSession: the engine's CacheSession backed by a PrefixCache.
+
+It restores the longest cached prefix, makes prefill chunks stop where a
+recurrent checkpoint is due, and after every forward stores each newly
+completed block, prompt or generated, before a sliding window can rotate its
+tokens out. During decode it keeps (by reference, no copy) the recurrent
+state at the latest block end, and stores it when the request ends, so the
+next turn of a chat can resume right after this reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from cluster.families.codecs import CaptureError
+from cluster.kvcache.prefix_cache import PrefixCache
+from cluster.store.hashing import chain_ids
+
+log = logging.getLogger(__name__)
+
+
+class BlockSession:
+    def __init__(self, cache: PrefixCache, prompt: list[int]):
+        self.pc = cache
+        self.B = cache.B
+        self.prompt = prompt
+        self.ids: list[bytes] = []
+        self.done_blocks = 0  # blocks [0, done_blocks) are stored or known stored
+        self.pending_state: Optional[tuple[int, list]] = None
+        self.fed: list[int] = []
+
+    def restore(self) -> tuple[list, int]:
+        caches, n, self.ids = self.pc.restore(self.prompt)
+        self.done_blocks = n // self.B
+        return caches, n
+
+    def next_stop(self, start: int, limit: int, step: int) -> int:
+        """Chunks run block end to block end (start is always one, or the limit), and a
+        hybrid's chunk also ends at every block end where a checkpoint is due."""
+        end = min(start + max(self.B, step - step % self.B), limit)
+        if self.pc.layout.has_recurrent:
+            for j in range(start // self.B + 1, end // self.B + 1):
+                if self.pc.checkpoint_due(j - 1, len(self.prompt)):
+                    return j * self.B
+        return end
+
+    def observe(self, caches: list, fed: list[int]) -> None:
+        self.fed = fed
+        try:
+            self._store_blocks(caches)
+            if self.pc.layout.has_recurrent and fed and len(fed) % self.B == 0:
+                self._checkpoint(caches, len(fed) // self.B - 1)
+        except CaptureError as e:  # never fail a request because a block could not be kept
+            self.pc.counters.capture_errors += 1
+            log.warning("could not capture a block: %s", e)
+
+    def close(self, caches: list, fed: list[int], completed: bool) -> None:
+        """Keep the recurrent state at the last block end of prompt + reply, for the next turn."""
+        if self.pending_state is not None:
+            index, state = self.pending_state
+            self.pending_state = None
+            if index == len(fed) // self.B - 1:
+                self._store_state(index, state)
+
+    # -----------------------------------------------------------------------
+    def _store_blocks(self, caches: list) -> None:
+        full = len(self.fed) // self.B
+        if len(self.ids) < full:
+            parent = self.ids[-1] if self.ids else None
+            self.ids += chain_ids(self.pc.namespace, self.fed[: full * self.B], self.B, parent,
+                                  start_block=len(self.ids))
+        while self.done_blocks < full:
+            j = self.done_blocks
+            self.pc.store_block(j, self.ids[j], self._parent(j), self._tokens(j), caches)
+            self.done_blocks += 1
+
+    def _checkpoint(self, caches: list, index: int) -> None:
+        state = self.pc.snapshot_state(caches)
+        if self.pc.checkpoint_due(index, len(self.prompt)):
+            self._store_state(index, state)
+            self.pending_state = None
+        else:
+            self.pending_state = (index, state)
+
+    def _store_state(self, index: int, state: list) -> None:
+        self.pc.store_state(index, self.ids[index], self._parent(index), self._tokens(index), state)
+
+    def _parent(self, index: int) -> bytes:
+        return self.ids[index - 1] if index else self.pc.namespace
+
+    def _tokens(self, index: int) -> list[int]:
+        return self.fed[index * self.B:(index + 1) * self.B]

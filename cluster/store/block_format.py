@@ -1,0 +1,235 @@
+"""The block envelope: one token block's KV (or one recurrent checkpoint) as bytes.
+
+Layout (little-endian; every array starts on a 64-byte boundary so a reader can
+view it in place with numpy and copy it once into an mx.array):
+
+     0        8        10       12         16                 24                32
+     +--------+--------+--------+----------+------------------+-----------------+
+     | magic  | version| flags  | hdr_len  | payload_len      | hdr_sum         |
+     | MLXFBLK| u16 = 1| u16 = 0| u32      | u64              | xxh3_64         |
+     +--------+--------+--------+----------+------------------+-----------------+
+  32 | header: msgpack map, hdr_len bytes                                       |
+     |   kind "kv" | "state", ns (32 B), id (32 B), parent (32 B), start,        |
+     |   tokens (u32 LE bytes), layout, dtype, codec [name, version, ...],       |
+     |   arrays [[entry, dtype, shape, offset, nbytes], ...], sum (xxh3_128)     |
+     +-- zero padding to a 64-byte boundary ------------------------------------+
+   P | payload: the arrays at their offsets (relative to P), zero padded         |
+     +--------------------------------------------------------------------------+
+
+hdr_sum covers bytes 0..24, the header and its padding; `sum` covers the
+payload (padding included). So any flipped bit anywhere is caught: in the
+preamble by magic/version/lengths or hdr_sum, in the header by hdr_sum, in the
+payload by sum. The header also
+carries the block's tokens and parent, so the id can be recomputed from its
+own contents: a block can only be used under the name it was made for.
+
+Decoding never unpickles anything: msgpack for the header, raw bytes for arrays.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgpack
+import numpy as np
+import xxhash
+
+from cluster.store.hashing import block_id
+
+MAGIC = b"MLXFBLK\x00"
+VERSION = 1
+ALIGN = 64
+_PREAMBLE = struct.Struct("<8sHHIQQ")  # magic, version, flags, hdr_len, payload_len, hdr_sum
+PREAMBLE_SIZE = _PREAMBLE.size  # 32
+MAX_HEADER = 16 << 20
+
+
+class BlockError(ValueError):
+    """A block that must not be used. Subclasses say why; the store treats every one as a miss."""
+
+    reason = "corrupt"
+
+
+class Truncated(BlockError):
+    reason = "truncated"
+
+
+class BadMagic(BlockError):
+    reason = "magic"
+
+
+class UnsupportedVersion(BlockError):
+    reason = "version"
+
+
+class CorruptHeader(BlockError):
+    reason = "header"
+
+
+class CorruptPayload(BlockError):
+    reason = "payload"
+
+
+class ForeignNamespace(BlockError):
+    reason = "namespace"
+
+
+class WrongBlock(BlockError):
+    reason = "id"
+
+
+class LayoutMismatch(BlockError):
+    reason = "layout"
+
+
+class BadTokenCount(BlockError):
+    reason = "tokens"
+
+
+class ChainBroken(BlockError):
+    reason = "parent"
+
+
+# mlx dtype name -> how its bytes are stored (numpy has no bfloat16: its bits travel as uint16).
+STORAGE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "uint32": "<u4", "int32": "<i4",
+           "uint16": "<u2", "uint8": "|u1", "int8": "|i1"}
+
+Tagged = tuple[str, np.ndarray]  # (mlx dtype name, array of its storage dtype)
+
+
+@dataclass
+class Block:
+    """A decoded (or to-be-encoded) block. `entries[i]` holds cache entry i's (dtype, array) pairs."""
+
+    kind: str
+    namespace: bytes
+    id: bytes
+    parent: bytes
+    start: int
+    tokens: np.ndarray
+    layout: list
+    dtype: str
+    codec: list
+    entries: list[list[Tagged]] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the reader asked for; a block that disagrees on any of it is refused."""
+
+    namespace: bytes
+    id: bytes
+    kind: str
+    layout: list
+    block_tokens: int
+    parent: Optional[bytes] = None
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGN
+
+
+def encode(block: Block) -> bytes:
+    arrays, offset = [], 0
+    for entry, layer in enumerate(block.entries):
+        for tag, a in layer:
+            a = np.ascontiguousarray(a)
+            if a.dtype != np.dtype(STORAGE[tag]):
+                raise ValueError(f"array tagged {tag} must be stored as {STORAGE[tag]}, got {a.dtype}")
+            arrays.append((entry, tag, a, offset))
+            offset += a.nbytes + _pad(a.nbytes)
+    payload_len = offset
+    payload = np.zeros(payload_len, dtype=np.uint8)
+    for _, _, a, off in arrays:
+        payload[off: off + a.nbytes] = a.reshape(-1).view(np.uint8)
+    header = msgpack.packb({
+        "kind": block.kind, "ns": block.namespace, "id": block.id, "parent": block.parent,
+        "start": block.start, "tokens": np.asarray(block.tokens, dtype="<u4").tobytes(),
+        "layout": block.layout, "dtype": block.dtype, "codec": block.codec,
+        "arrays": [[e, tag, list(a.shape), off, a.nbytes] for e, tag, a, off in arrays],
+        "sum": xxhash.xxh3_128_digest(payload),
+    }, use_bin_type=True)
+    pad = bytes(_pad(PREAMBLE_SIZE + len(header)))
+    pre = _PREAMBLE.pack(MAGIC, VERSION, 0, len(header), payload_len, 0)
+    hdr_sum = xxhash.xxh3_64_intdigest(pre[:24] + header + pad)
+    pre = _PREAMBLE.pack(MAGIC, VERSION, 0, len(header), payload_len, hdr_sum)
+    return b"".join((pre, header, pad, payload.tobytes()))
+
+
+def decode(buf, expect: Expect) -> Block:
+    """Parse and verify `buf` (bytes or memoryview); arrays are numpy views into it."""
+    view = memoryview(buf)
+    if len(view) < PREAMBLE_SIZE:
+        raise Truncated(f"{len(view)} bytes is shorter than the {PREAMBLE_SIZE}-byte preamble")
+    magic, version, _flags, hdr_len, payload_len, hdr_sum = _PREAMBLE.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise UnsupportedVersion(f"format version {version}, this reader knows {VERSION}")
+    if hdr_len > MAX_HEADER:
+        raise CorruptHeader(f"header length {hdr_len} is implausible")
+    payload_at = PREAMBLE_SIZE + hdr_len + _pad(PREAMBLE_SIZE + hdr_len)
+    if len(view) != payload_at + payload_len:
+        raise Truncated(f"{len(view)} bytes, the preamble promises {payload_at + payload_len}")
+    header_bytes = view[PREAMBLE_SIZE: PREAMBLE_SIZE + hdr_len]
+    if xxhash.xxh3_64_intdigest(bytes(view[:24]) + bytes(view[PREAMBLE_SIZE:payload_at])) != hdr_sum:
+        raise CorruptHeader("header checksum mismatch")
+    try:
+        h = msgpack.unpackb(header_bytes, raw=False)
+    except Exception as e:  # msgpack raises several types for garbage
+        raise CorruptHeader(f"header is not msgpack: {e}") from None
+    block = _check_header(h, expect)
+    payload = view[payload_at:]
+    if xxhash.xxh3_128_digest(payload) != h["sum"]:
+        raise CorruptPayload("payload checksum mismatch")
+    block.entries = _arrays(h["arrays"], payload, len(block.layout))
+    return block
+
+
+def _check_header(h: dict, expect: Expect) -> Block:
+    try:
+        kind, ns, bid, parent, start = h["kind"], h["ns"], h["id"], h["parent"], h["start"]
+        tokens = np.frombuffer(h["tokens"], dtype="<u4")
+        block = Block(kind=kind, namespace=ns, id=bid, parent=parent, start=int(start), tokens=tokens,
+                      layout=h["layout"], dtype=h["dtype"], codec=h["codec"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptHeader(f"header field missing or mistyped: {e}") from None
+    if ns != expect.namespace:
+        raise ForeignNamespace("block belongs to another model fingerprint")
+    if kind != expect.kind:
+        raise WrongBlock(f"expected a {expect.kind} block, got {kind}")
+    if bid != expect.id:
+        raise WrongBlock("block id differs from the one requested")
+    if len(tokens) != expect.block_tokens or block.start % expect.block_tokens:
+        raise BadTokenCount(f"{len(tokens)} tokens at {block.start}, blocks hold {expect.block_tokens}")
+    if block_id(ns, parent, tokens) != bid:
+        raise CorruptHeader("id does not hash from the header's parent and tokens")
+    if block.layout != expect.layout:
+        raise LayoutMismatch(f"layout {block.layout} differs from the model's {expect.layout}")
+    if expect.parent is not None and parent != expect.parent:
+        raise ChainBroken("parent is not the previous block of the chain")
+    return block
+
+
+def _arrays(records: list, payload: memoryview, n_entries: int) -> list[list[Tagged]]:
+    entries: list[list[Tagged]] = [[] for _ in range(n_entries)]
+    end = 0
+    for rec in records:
+        try:
+            entry, tag, shape, off, nbytes = rec
+            dt = np.dtype(STORAGE[tag])
+            count = int(np.prod(shape)) if shape else 1
+        except (TypeError, ValueError, KeyError) as e:
+            raise CorruptHeader(f"bad array record {rec!r}: {e}") from None
+        if not (0 <= entry < n_entries) or count * dt.itemsize != nbytes or off % ALIGN or off < end \
+                or off + nbytes > len(payload):
+            raise CorruptHeader(f"array record {rec!r} does not fit the payload")
+        end = off + nbytes
+        entries[entry].append((tag, np.frombuffer(payload, dtype=dt, count=count, offset=off).reshape(shape)))
+    return entries

@@ -1,0 +1,100 @@
+"""The replica's RAM tier: encoded blocks in an LRU bounded by bytes.
+
+Store contract (shared by every tier and the index): get / put / exists, plus
+`prefix_hits(keys)` = how many of `keys`, from the first, are all present.
+
+Blocks are kept encoded (the same bytes as on disk or on the wire): the budget
+counts real bytes, and every read goes through the same verified decode path
+whatever tier it came from.
+
+Eviction order: least recently used first, where get() and put() both count
+as a use; exists()/prefix_hits() do not (a lookup that is not followed by a
+restore must not keep a block alive). The budget is never exceeded: a put that
+does not fit evicts until it does, and a block larger than the whole budget
+is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterable, Optional
+
+Listener = Callable[[str, bytes, int], None]  # (event, key, nbytes)
+
+
+class RamTier:
+    def __init__(self, budget_bytes: int, listener: Optional[Listener] = None):
+        self.budget = budget_bytes
+        self._blocks: "OrderedDict[bytes, bytes]" = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._listener = listener
+        self.hits = self.misses = self.evictions = self.rejected = 0
+
+    def get(self, key: bytes) -> Optional[bytes]:
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is None:
+                self.misses += 1
+                return None
+            self._blocks.move_to_end(key)
+            self.hits += 1
+            return data
+
+    def exists(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def prefix_hits(self, keys: Iterable[bytes]) -> int:
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in self._blocks:
+                    break
+                n += 1
+        return n
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        evicted = []
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                return True
+            if len(data) > self.budget:
+                self.rejected += 1
+                return False
+            while self._bytes + len(data) > self.budget:
+                old, old_data = self._blocks.popitem(last=False)
+                self._bytes -= len(old_data)
+                self.evictions += 1
+                evicted.append((old, len(old_data)))
+            self._blocks[key] = data
+            self._bytes += len(data)
+        self._emit("stored", key, len(data))
+        for old, size in evicted:
+            self._emit("evicted", old, size)
+        return True
+
+    def remove(self, key: bytes) -> bool:
+        with self._lock:
+            data = self._blocks.pop(key, None)
+            if data is None:
+                return False
+            self._bytes -= len(data)
+        self._emit("evicted", key, len(data))
+        return True
+
+    def keys(self) -> list[bytes]:
+        """Keys from least to most recently used."""
+        with self._lock:
+            return list(self._blocks)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"blocks": len(self._blocks), "bytes": self._bytes, "budget": self.budget, "hits": self.hits,
+                    "misses": self.misses, "evictions": self.evictions, "rejected": self.rejected}
+
+    def _emit(self, event: str, key: bytes, nbytes: int) -> None:
+        if self._listener is not None:
+            self._listener(event, key, nbytes)
