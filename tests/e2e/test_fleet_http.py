@@ -201,3 +201,37 @@ def test_no_live_replica_is_503_with_retry_after(fleet, http):
             os.kill(pid, signal.SIGCONT)
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_same_long_prompt_twice_is_served_from_cache_with_identical_text(http):
+    prompt = " ".join(["The fleet keeps every prefix it has seen, block by block."] * 40)  # ~500 tokens
+    runs: dict[str, list] = {}
+    for _ in range(30):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200
+        body = r.json()
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert r.headers["x-fleet-cached-tokens"] == str(cached)
+        runs.setdefault(r.headers["x-fleet-node"], []).append((cached, body["choices"][0]["text"], body["usage"]["prompt_tokens"]))
+        if len(runs) == 2 and all(len(v) >= 2 for v in runs.values()):
+            break
+    texts = {text for v in runs.values() for _, text, _ in v}
+    assert len(texts) == 1  # identical greedy text, cached or cold, on either node
+    for node, seen in runs.items():
+        (first, _, n), (second, _, _) = seen[0], seen[1]
+        assert first == 0, node
+        assert 0 < second < n and second % 64 == 0, (node, second)
+
+
+def test_streaming_reports_cached_tokens_in_header_and_usage(http):
+    prompt = " ".join(["Streaming answers reuse cached blocks too."] * 40)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    hits = []
+    for _ in range(12):
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            raw = "".join(r.iter_text())
+        usage = json.loads(raw.split("\n\n")[-3][6:])["usage"]
+        assert r.headers["x-fleet-cached-tokens"] == str(usage["prompt_tokens_details"]["cached_tokens"])
+        hits.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert max(hits) > 0

@@ -12,7 +12,8 @@ LISTED = [n for n, m in BUILTINS.items() if m.listed]
 
 
 def digest(path: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir()) if f.is_file()}
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())
+            if f.is_file() and not f.name.startswith(".")}
 
 
 def test_build_is_deterministic(tmp_path, data_dir):

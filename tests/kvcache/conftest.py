@@ -1,0 +1,81 @@
+"""A real model + PrefixCache + engine, and cold/warm runs to compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import pytest
+
+from cluster.config import CacheConfig
+from cluster.engine.cold_session import ColdSession
+from cluster.engine.events import Delta, Finished, Started
+from cluster.engine.sequence import GenerationParams, Sequence
+from cluster.kvcache.session import BlockSession
+from cluster.kvcache.setup import setup_cache
+from cluster.models.resolve import resolve_model
+
+TOLERANCE = {mx.float32: 1e-3, mx.float16: 5e-2, mx.bfloat16: 0.25}
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    logits: mx.array  # [steps, vocab]
+    cached: int
+    finish: Finished
+
+
+class Harness:
+    def __init__(self, model, tokenizer, path, tmp, block_tokens=32, kv_codec="native", prefill_step=64):
+        self.model, self.tok = model, tokenizer
+        cfg = CacheConfig(block_tokens=block_tokens, kv_codec=kv_codec, ram_bytes=1 << 30)
+        self.setup = setup_cache(model, tokenizer, path, cfg, tmp)
+        self.pc = self.setup.cache
+        self.B = block_tokens
+        self.step = prefill_step
+        self.tol = TOLERANCE[getattr(mx, self.pc.dtype)]
+
+    def _run(self, prompt, max_tokens, session) -> Run:
+        seq = Sequence(list(prompt), GenerationParams(max_tokens=max_tokens, record_logits=True),
+                       self.model, self.tok, session, self.step)
+        events = []
+        while not seq.done:
+            events += seq.step()
+        started = next(e for e in events if isinstance(e, Started))
+        return Run([t for e in events if isinstance(e, Delta) for t in e.token_ids], mx.stack(seq.logits),
+                   started.cached_tokens, events[-1])
+
+    def cold(self, prompt, max_tokens=12) -> Run:
+        return self._run(prompt, max_tokens, ColdSession(self.model, self.pc.new_caches))
+
+    def warm(self, prompt, max_tokens=12) -> Run:
+        return self._run(prompt, max_tokens, BlockSession(self.pc, list(prompt)))
+
+    def session(self, prompt):
+        return BlockSession(self.pc, list(prompt))
+
+    def run_with(self, prompt, session, max_tokens=12) -> Run:
+        return self._run(prompt, max_tokens, session)
+
+    def assert_same(self, warm: Run, cold: Run) -> None:
+        assert warm.tokens == cold.tokens
+        diff = mx.abs(warm.logits.astype(mx.float32) - cold.logits.astype(mx.float32)).max().item()
+        assert diff <= self.tol, f"logits differ by {diff} > {self.tol}"
+
+    def logit_gap(self, a: Run, b: Run) -> float:
+        n = min(a.logits.shape[0], b.logits.shape[0])
+        return mx.abs(a.logits[:n].astype(mx.float32) - b.logits[:n].astype(mx.float32)).max().item()
+
+
+@pytest.fixture
+def harness(load_builtin, data_dir, tmp_path):
+    def make(name: str, **kw) -> Harness:
+        model, tok = load_builtin(name)
+        return Harness(model, tok, resolve_model(name, data_dir), tmp_path, **kw)
+    return make
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    """A deterministic, non-repeating token sequence (ids 3..1023: no specials)."""
+    return [3 + (i * 7919 + salt * 104729) % 1021 for i in range(n)]
