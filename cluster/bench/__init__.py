@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "codec": "cluster.bench.codec",
+    "ttft": "cluster.bench.ttft",
+    "blocksize": "cluster.bench.blocksize",
+}
 
 
 def run_benchmark(name: str, argv: list[str]) -> int:

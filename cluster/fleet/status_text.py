@@ -9,12 +9,26 @@ def render(status: dict) -> str:
         lines.append(f"  {n['node_id']:<12} {'alive' if n['alive'] else 'DEAD ':<6} {n['address']}")
     lines += ["", "replicas:"]
     for r in status["replicas"]:
+        prompt = r.get("prompt_tokens", 0)
+        reuse = f"{r.get('cached_tokens', 0) / prompt:.0%}" if prompt else "-"
         lines.append(f"  {r['model']:<20} on {r['node_id']:<10} active={r.get('active', 0):<3} "
-                     f"requests={r.get('requests', 0):<6} prompt={r.get('prompt_tokens', 0):<8} "
-                     f"cached={r.get('cached_tokens', 0):<8} completion={r.get('completion_tokens', 0)}")
+                     f"requests={r.get('requests', 0):<6} prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
+                     f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)}")
+        lines.append("      " + _cache_line(r.get("cache", {})))
     lines += ["", "models:"]
     for m in status["models"]:
         lines.append(f"  {m['name']:<20} {m['replicas']} replica(s): {', '.join(m['nodes']) or '-'}")
     if status.get("redis", {}).get("error"):
         lines.append(f"\nredis: {status['redis']['error']}")
     return "\n".join(lines)
+
+
+def _cache_line(cache: dict) -> str:
+    if not cache.get("enabled"):
+        return f"cache: off ({cache.get('reason', '-')})"
+    ram = cache["ram"]
+    bad = {k: v for k, v in cache.get("corrupt", {}).items() if v}
+    return (f"cache {cache['namespace']} B={cache['block_tokens']}: ram {ram['blocks']} blocks "
+            f"{ram['bytes'] / 2**20:.1f}/{ram['budget'] / 2**20:.0f} MiB, hits {ram['hits']} misses {ram['misses']} "
+            f"evictions {ram['evictions']}, stored {cache['blocks_stored']} blocks "
+            f"{cache['checkpoints_stored']} checkpoints, corrupt {bad or 0}")

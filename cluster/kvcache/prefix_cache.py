@@ -29,7 +29,7 @@ from cluster.config import CacheConfig
 from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry, sliding_keep
 from cluster.families.specs import Layout, Recurrent, SlidingWindow
 from cluster.store import block_format
-from cluster.store.arrays import dtype_tag, to_mlx, to_numpy
+from cluster.store.arrays import dtype_tag, host_views, to_mlx
 from cluster.store.block_format import Block, BlockError, Expect
 from cluster.store.hashing import chain_ids, state_key
 from cluster.store.ram_tier import RamTier
@@ -163,8 +163,8 @@ class PrefixCache:
         if self.tier.exists(block_id):
             return
         start = index * self.B
-        entries = [[to_numpy(a) for a in capture_block(spec, cache, start, start + self.B, self.B)]
-                   for spec, cache in zip(self.layout.layers, caches)]
+        entries = _host([capture_block(spec, cache, start, start + self.B, self.B)
+                         for spec, cache in zip(self.layout.layers, caches)])
         self._put(block_id, "kv", block_id, parent, start, tokens, entries)
         self.counters.blocks_stored += 1
 
@@ -172,8 +172,7 @@ class PrefixCache:
         key = state_key(block_id)
         if self.tier.exists(key):
             return
-        entries = [[to_numpy(a) for a in arrays] for arrays in state]
-        self._put(key, "state", block_id, parent, index * self.B, tokens, entries)
+        self._put(key, "state", block_id, parent, index * self.B, tokens, _host(state))
         self.counters.checkpoints_stored += 1
 
     def snapshot_state(self, caches: list) -> list:
@@ -188,6 +187,16 @@ class PrefixCache:
     def stats(self) -> dict:
         return {"block_tokens": self.B, "checkpoint_every": self.every, **self.counters.as_dict(),
                 "ram": self.tier.stats()}
+
+
+def _host(entries: list[list[mx.array]]) -> list[list]:
+    """Evaluate every array of a block in one sync and view them from numpy."""
+    flat = host_views([a for arrays in entries for a in arrays])
+    out, i = [], 0
+    for arrays in entries:
+        out.append(flat[i:i + len(arrays)])
+        i += len(arrays)
+    return out
 
 
 def checkpoint_interval(state_bytes: int, kv_bytes_per_block: int, overhead: float) -> int:

@@ -1,8 +1,9 @@
 """mx.array <-> (dtype tag, numpy array) for the block format.
 
 numpy has no bfloat16, so those bytes travel as uint16 and are viewed back.
-Going to numpy forces evaluation and makes one contiguous copy; coming back is
-one copy into MLX memory (from a view of the block's bytes).
+Going to numpy copies nothing: the result is a (possibly strided) view of the
+evaluated MLX buffer, which the encoder copies once into the envelope. Coming
+back is one copy into MLX memory, from a view of the block's bytes.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ def dtype_tag(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
+def host_views(arrays: list[mx.array]) -> list[Tagged]:
+    """Evaluate `arrays` together (one sync) and view each from numpy."""
+    bits = [a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a for a in arrays]
+    mx.eval(bits)
+    return [(dtype_tag(a.dtype), np.asarray(b)) for a, b in zip(arrays, bits)]
+
+
 def to_numpy(a: mx.array) -> Tagged:
-    tag = dtype_tag(a.dtype)
-    bits = a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a
-    return tag, np.array(bits, copy=True)
+    return host_views([a])[0]
 
 
 def to_mlx(tagged: Tagged) -> mx.array:

@@ -28,6 +28,7 @@ Decoding never unpickles anything: msgpack for the header, raw bytes for arrays.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Optional
@@ -135,31 +136,41 @@ def _pad(n: int) -> int:
     return (-n) % ALIGN
 
 
-def encode(block: Block) -> bytes:
+def encode(block: Block) -> memoryview:
+    """Frame `block`; each array is copied exactly once, straight into the envelope."""
     arrays, offset = [], 0
     for entry, layer in enumerate(block.entries):
         for tag, a in layer:
-            a = np.ascontiguousarray(a)
             if a.dtype != np.dtype(STORAGE[tag]):
                 raise ValueError(f"array tagged {tag} must be stored as {STORAGE[tag]}, got {a.dtype}")
             arrays.append((entry, tag, a, offset))
             offset += a.nbytes + _pad(a.nbytes)
-    payload_len = offset
-    payload = np.zeros(payload_len, dtype=np.uint8)
-    for _, _, a, off in arrays:
-        payload[off: off + a.nbytes] = a.reshape(-1).view(np.uint8)
-    header = msgpack.packb({
+    fields = {
         "kind": block.kind, "ns": block.namespace, "id": block.id, "parent": block.parent,
         "start": block.start, "tokens": np.asarray(block.tokens, dtype="<u4").tobytes(),
         "layout": block.layout, "dtype": block.dtype, "codec": block.codec,
         "arrays": [[e, tag, list(a.shape), off, a.nbytes] for e, tag, a, off in arrays],
-        "sum": xxhash.xxh3_128_digest(payload),
-    }, use_bin_type=True)
-    pad = bytes(_pad(PREAMBLE_SIZE + len(header)))
-    pre = _PREAMBLE.pack(MAGIC, VERSION, 0, len(header), payload_len, 0)
-    hdr_sum = xxhash.xxh3_64_intdigest(pre[:24] + header + pad)
-    pre = _PREAMBLE.pack(MAGIC, VERSION, 0, len(header), payload_len, hdr_sum)
-    return b"".join((pre, header, pad, payload.tobytes()))
+        "sum": bytes(16),  # placeholder of the final length: the header's size does not depend on it
+    }
+    hdr_len = len(msgpack.packb(fields, use_bin_type=True))
+    payload_at = PREAMBLE_SIZE + hdr_len + _pad(PREAMBLE_SIZE + hdr_len)
+    buf = np.empty(payload_at + offset, dtype=np.uint8)  # not zero-filled: only the gaps are zeroed
+    buf[PREAMBLE_SIZE + hdr_len:payload_at] = 0
+    for _, _, a, off in arrays:
+        start = payload_at + off
+        buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+        buf[start + a.nbytes:start + a.nbytes + _pad(a.nbytes)] = 0
+    view = memoryview(buf)
+    fields["sum"] = xxhash.xxh3_128_digest(view[payload_at:])
+    header = msgpack.packb(fields, use_bin_type=True)
+    assert len(header) == hdr_len
+    view[PREAMBLE_SIZE:PREAMBLE_SIZE + hdr_len] = header
+    _PREAMBLE.pack_into(view, 0, MAGIC, VERSION, 0, hdr_len, offset, 0)
+    hdr_sum = xxhash.xxh3_64()
+    hdr_sum.update(view[:24])
+    hdr_sum.update(view[PREAMBLE_SIZE:payload_at])
+    _PREAMBLE.pack_into(view, 0, MAGIC, VERSION, 0, hdr_len, offset, hdr_sum.intdigest())
+    return view
 
 
 def decode(buf, expect: Expect) -> Block:
@@ -178,7 +189,10 @@ def decode(buf, expect: Expect) -> Block:
     if len(view) != payload_at + payload_len:
         raise Truncated(f"{len(view)} bytes, the preamble promises {payload_at + payload_len}")
     header_bytes = view[PREAMBLE_SIZE: PREAMBLE_SIZE + hdr_len]
-    if xxhash.xxh3_64_intdigest(bytes(view[:24]) + bytes(view[PREAMBLE_SIZE:payload_at])) != hdr_sum:
+    check = xxhash.xxh3_64()
+    check.update(view[:24])
+    check.update(view[PREAMBLE_SIZE:payload_at])
+    if check.intdigest() != hdr_sum:
         raise CorruptHeader("header checksum mismatch")
     try:
         h = msgpack.unpackb(header_bytes, raw=False)
@@ -224,7 +238,7 @@ def _arrays(records: list, payload: memoryview, n_entries: int) -> list[list[Tag
         try:
             entry, tag, shape, off, nbytes = rec
             dt = np.dtype(STORAGE[tag])
-            count = int(np.prod(shape)) if shape else 1
+            count = math.prod(shape)
         except (TypeError, ValueError, KeyError) as e:
             raise CorruptHeader(f"bad array record {rec!r}: {e}") from None
         if not (0 <= entry < n_entries) or count * dt.itemsize != nbytes or off % ALIGN or off < end \

@@ -177,10 +177,12 @@ def test_status_lists_nodes_replicas_and_models(fleet, http):
     status = fleet.status()
     assert [n["node_id"] for n in status["nodes"]] == ["node-0", "node-1"] and all(n["alive"] for n in status["nodes"])
     assert sorted(r["node_id"] for r in status["replicas"]) == ["node-0", "node-1"]
+    for r in status["replicas"]:
+        assert r["cache"]["enabled"] and r["cache"]["block_tokens"] == 64 and r["cache"]["ram"]["budget"] == 2 << 30
     assert status["models"] == [{"name": MODEL, "replicas": 2, "nodes": ["node-0", "node-1"]}]
     assert http.get("/v1/fleet/status").json()["models"] == status["models"]
     text = fleet.cli("status").stdout
-    assert "node-0" in text and "node-1" in text and MODEL in text
+    assert "node-0" in text and "node-1" in text and MODEL in text and "cache " in text
 
 
 def test_no_live_replica_is_503_with_retry_after(fleet, http):

@@ -79,7 +79,7 @@ def test_no_pickle_or_eval_anywhere():
 
 
 # -- damage ------------------------------------------------------------------
-GOOD = bf.encode(make())
+GOOD = bytes(bf.encode(make()))
 HDR_LEN = struct.unpack_from("<I", GOOD, 12)[0]
 
 
