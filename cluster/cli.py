@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block (16-256)")
     up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4"], help="how K/V are kept")
+    up.add_argument("--cache-ram-gb", type=float, default=None, help="RAM tier budget per replica in GiB (default 2)")
     up.add_argument("--no-cache", action="store_true", help="disable KV block reuse")
     up.add_argument("--max-context", type=int, default=None, help="override every model's context window")
     up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503")
@@ -64,7 +65,9 @@ def _data_dir(p: argparse.ArgumentParser) -> None:
 def _fleet_config(a: argparse.Namespace) -> FleetConfig:
     overrides = {"max_context": a.max_context} if a.max_context else {}
     models = [ModelSpec.parse(m, **overrides) for m in (a.model or ["tiny-dense"])]
-    cache = {k: v for k, v in {"block_tokens": a.block_tokens, "kv_codec": a.kv_codec}.items() if v is not None}
+    ram = int(a.cache_ram_gb * 2**30) if a.cache_ram_gb is not None else None
+    cache = {k: v for k, v in {"block_tokens": a.block_tokens, "kv_codec": a.kv_codec, "ram_bytes": ram}.items()
+             if v is not None}
     if a.no_cache:
         cache["enabled"] = False
     gateway = {"assign_timeout_s": a.assign_timeout} if a.assign_timeout else {}

@@ -1,0 +1,31 @@
+import json
+import shutil
+
+from cluster.config import CacheConfig
+from cluster.kvcache.setup import setup_cache
+from cluster.models.resolve import resolve_model
+
+
+def test_unsupported_family_is_served_without_cache(load_builtin, data_dir, tmp_path):
+    model, tok = load_builtin("tiny-llama")
+    path = tmp_path / "other"
+    shutil.copytree(resolve_model("tiny-llama", data_dir), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "olmo2"
+    (path / "config.json").write_text(json.dumps(cfg))
+    setup = setup_cache(model, tok, path, CacheConfig(), tmp_path)
+    assert setup.cache is None and "olmo2" in setup.disabled_reason and "qwen3_5" in setup.disabled_reason
+
+
+def test_disabled_by_config(load_builtin, data_dir, tmp_path):
+    model, tok = load_builtin("tiny-dense")
+    setup = setup_cache(model, tok, resolve_model("tiny-dense", data_dir), CacheConfig(enabled=False), tmp_path)
+    assert setup.cache is None and setup.disabled_reason == "disabled by configuration"
+
+
+def test_enabled_cache_reports_its_measured_geometry(load_builtin, data_dir, tmp_path):
+    model, tok = load_builtin("tiny-hybrid")
+    setup = setup_cache(model, tok, resolve_model("tiny-hybrid", data_dir), CacheConfig(block_tokens=32), tmp_path)
+    stats = setup.cache.stats()
+    assert stats["block_tokens"] == 32 and stats["checkpoint_every"] == 4
+    assert setup.fingerprint.parts["dtype"] == "float32" and setup.fingerprint.parts["block_tokens"] == 32
