@@ -49,6 +49,15 @@ class CacheConfig(_Config):
         2 << 30, ge=0,
         description="Byte budget of the replica's in-process RAM tier of encoded blocks (LRU).",
     )
+    disk: bool = Field(True, description="Keep blocks on the node's disk tier too (write-through, survives restarts).")
+    disk_bytes: Optional[int] = Field(
+        None, ge=0,
+        description="Byte budget of each node's disk tier. Default: half of the free space where it lives, at most 100 GiB.",
+    )
+    spill_queue_bytes: int = Field(
+        256 << 20, ge=1 << 20,
+        description="Bytes of blocks a replica may have waiting for the disk; beyond it the oldest pending spill is dropped (and counted) so generation never waits on the disk.",
+    )
     checkpoint_overhead: float = Field(
         0.5, ge=0,
         description="Hybrid models: a recurrent-state checkpoint is stored every k-th block, with k the smallest interval whose checkpoints add at most this fraction to the KV bytes of those k blocks (real hybrids' checkpoints are tens of MiB). The last full block of every prompt and of every finished reply always gets one. 0 = only those.",

@@ -13,12 +13,14 @@ import os
 import time
 from pathlib import Path
 
+from cluster.actors import node_store
 from cluster.config import AppConfig, ModelSpec
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished
 from cluster.engine.request import GenerateRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
+from cluster.kvcache.disk_client import ActorLink
 from cluster.kvcache.session import BlockSession
 from cluster.kvcache.setup import setup_cache
 from cluster.models.resolve import resolve_model
@@ -39,7 +41,8 @@ class ModelReplica:
         self.started = time.time()
         path = resolve_model(spec.source, Path(app.data_dir).expanduser())
         self.model, self.tokenizer = load(str(path))
-        self.cache = setup_cache(self.model, self.tokenizer, path, app.cache, self.node.data_dir)
+        self.cache = setup_cache(self.model, self.tokenizer, path, app.cache, self.node.data_dir,
+                                 store_link=self._disk_link(app))
         self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}")
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0,
                          "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
@@ -47,6 +50,18 @@ class ModelReplica:
         if app.redis_url:
             self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats)
         log.info("replica of %s ready on node %s (%s)", spec.name, self.node.node_id, path)
+
+    def _disk_link(self, app: AppConfig):
+        """This node's disk tier, or None (RAM only) if it is off or cannot be reached."""
+        if not (app.cache.enabled and app.cache.disk):
+            return None
+        try:
+            handle = node_store.get_or_create(self.node.node_id, self.node.data_dir, app.cache.disk_bytes,
+                                              app.redis_url)
+            return ActorLink(handle)
+        except Exception as e:  # serve from RAM rather than not at all
+            log.warning("no disk tier on node %s (%s); caching in RAM only", self.node.node_id, e)
+            return None
 
     async def generate(self, request: GenerateRequest):
         """Stream lists of events for one request; the first list is [Accepted]."""
@@ -115,6 +130,11 @@ class ModelReplica:
             raise RuntimeError("model thread died")
 
     def __del__(self):
+        cache = getattr(self, "cache", None)
+        disk = cache.cache.tier.disk if cache is not None and cache.cache is not None else None
+        if disk is not None:
+            disk.flush(timeout_s=10)  # let queued spills reach the disk before the replica goes
+            disk.close()
         lease = getattr(self, "lease", None)
         if lease is not None:
             lease.close()

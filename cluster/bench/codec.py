@@ -28,7 +28,7 @@ from cluster.store import block_format
 from cluster.store.arrays import to_mlx
 from cluster.store.block_format import Expect
 from cluster.store.hashing import chain_ids, state_key
-from cluster.store.ram_tier import RamTier
+from cluster.kvcache.tiers import TieredBlocks
 
 DEFAULT_MODELS = "tiny-dense,tiny-swa,tiny-hybrid,tiny-gemma4,tiny-next,geometry:qwen3-0.6b"
 # Realistic geometry without a model: the codec's cost depends on shapes, not values.
@@ -52,7 +52,7 @@ def geometry_caches(name: str, tokens: int, block_tokens: int):
     g = GEOMETRIES[name]
     layout = Layout(family=f"geometry:{name}", layers=tuple(FullAttention() for _ in range(g["layers"])))
     pc = PrefixCache(layout, bytes(32), CacheConfig(block_tokens=block_tokens, ram_bytes=1 << 34),
-                     RamTier(1 << 34), g["dtype"])
+                     TieredBlocks(1 << 34, bytes(32)), g["dtype"])
     caches = []
     for _ in range(g["layers"]):
         c = KVCache()
@@ -72,7 +72,7 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
     ids = chain_ids(pc.namespace, prompt, block_tokens)
 
     def encode_all():
-        pc.tier = RamTier(1 << 34)
+        pc.tier = TieredBlocks(1 << 34, pc.namespace)
         for j, bid in enumerate(ids):
             pc.store_block(j, bid, ids[j - 1] if j else pc.namespace, prompt[j * block_tokens:(j + 1) * block_tokens], caches)
         if pc.layout.has_recurrent:

@@ -59,7 +59,7 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
     return {"model": name, "tokens": tokens, "block_tokens": block_tokens, "cached_tokens": n,
             "cold_s": cold, "capture_s": capture, "cached_s": cached,
             "cached_vs_cold": cached / cold, "capture_overhead": capture / cold - 1,
-            "ram_bytes": pc.tier.stats()["bytes"]}
+            "ram_bytes": pc.tier.stats()["ram"]["bytes"]}
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from cluster.models.resolve import resolve_model
 from cluster.node import NODE_DATA_DIR_ENV, NODE_ID_ENV
 
 APP_NAME = "mlx-fleet"
+STOP_GRACE_S = 3.0
 OBJECT_STORE_BYTES = 512 << 20
 DEPLOY_TIMEOUT_S = 900.0
 
@@ -74,17 +76,46 @@ def up(cfg: FleetConfig, out: Callable[[str], None] = print) -> FleetState:
 
 
 def down(data_dir: Path) -> int:
-    """Stop every process of the fleet under `data_dir`; return how many were found."""
+    """Stop every process of the fleet under `data_dir`; return how many were found.
+
+    Serve is shut down first so replicas finish in-flight requests and flush their
+    pending disk spills; then every process of the fleet is signalled, and killed
+    if it does not exit (Ray's daemons take their time, and hold nothing we need)."""
     data_dir = data_dir.expanduser().resolve()
     state = load_state(data_dir) or FleetState(data_dir=str(data_dir), tag=fleet_tag(data_dir),
                                                ray_temp_dir=str(ray_temp_dir(data_dir)))
+    _drain_serve(state)
     return _stop(state)
 
 
 def _stop(state: FleetState) -> int:
-    found = processes.stop_tagged(state.tag, state.session_ids())
+    found = processes.stop_tagged(state.tag, state.session_ids(), grace_s=STOP_GRACE_S)
     clear_state(Path(state.data_dir))
     return found
+
+
+def _drain_serve(state: FleetState, timeout_s: float = 60.0) -> None:
+    if not state.ray_address or port_is_free("127.0.0.1", int(state.ray_address.rsplit(":", 1)[1])):
+        return  # no Ray head answering: nothing to drain
+
+    def drain():
+        import logging
+
+        import ray
+        from ray import serve
+
+        logging.getLogger("ray._private.worker").setLevel(logging.ERROR)  # "SIGTERM handler not set": expected here
+        try:
+            connect(state)
+            serve.shutdown()
+        except Exception as e:  # best effort: the processes are stopped next either way
+            print(f"  (serve did not shut down cleanly: {e})", file=sys.stderr)
+        finally:
+            ray.shutdown()
+
+    worker = threading.Thread(target=drain, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
 
 
 def _refuse_running_fleet(data_dir: Path) -> None:

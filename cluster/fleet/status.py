@@ -27,21 +27,41 @@ def ray_nodes() -> list[dict]:
     return sorted(nodes, key=lambda d: (not d["alive"], d["node_id"]))
 
 
+def node_stats(client) -> dict[str, dict]:
+    """Disk-tier stats each node's store publishes (mlxf:node:<id>)."""
+    import msgpack
+
+    from cluster.actors.node_store import NODE_KEY_PREFIX
+
+    keys = sorted(client.scan_iter(match=NODE_KEY_PREFIX + "*", count=1000))
+    out = {}
+    for raw in client.mget(keys) if keys else []:
+        if raw is not None:
+            d = msgpack.unpackb(raw, strict_map_key=False)
+            out[d["node_id"]] = d
+    return out
+
+
 def fleet_status(redis_url: Optional[str], models: list[str]) -> dict:
     from cluster.store.leases import connect, read_leases
 
     replicas: list[dict] = []
+    disks: dict[str, dict] = {}
     redis_error = None
     if redis_url:
         try:
             client = connect(redis_url)
             replicas = read_leases(client)
+            disks = node_stats(client)
             client.close()
         except Exception as e:  # status must still answer when Redis is down
             redis_error = f"{type(e).__name__}: {e}"
     per_model = {m: [r["node_id"] for r in replicas if r.get("model") == m] for m in models}
+    nodes = ray_nodes()
+    for n in nodes:
+        n["disk"] = disks.get(n["node_id"])
     return {
-        "nodes": ray_nodes(),
+        "nodes": nodes,
         "replicas": replicas,
         "models": [{"name": m, "replicas": len(nodes), "nodes": nodes} for m, nodes in per_model.items()],
         "redis": {"url": redis_url, "error": redis_error},

@@ -7,6 +7,7 @@ def render(status: dict) -> str:
     lines = [f"endpoint:  {status.get('endpoint')}/v1", f"dashboard: {status.get('dashboard') or '-'}", "", "nodes:"]
     for n in status["nodes"]:
         lines.append(f"  {n['node_id']:<12} {'alive' if n['alive'] else 'DEAD ':<6} {n['address']}")
+        lines.append("      " + _disk_line(n.get("disk")))
     lines += ["", "replicas:"]
     for r in status["replicas"]:
         prompt = r.get("prompt_tokens", 0)
@@ -28,7 +29,20 @@ def _cache_line(cache: dict) -> str:
         return f"cache: off ({cache.get('reason', '-')})"
     ram = cache["ram"]
     bad = {k: v for k, v in cache.get("corrupt", {}).items() if v}
+    spill = cache.get("spill")
+    spill_text = (f", spill queued {spill['queued']} spilled {spill['spilled']} dropped {spill['dropped_spills']}"
+                  if spill else ", disk off")
     return (f"cache {cache['namespace']} B={cache['block_tokens']}: ram {ram['blocks']} blocks "
             f"{ram['bytes'] / 2**20:.1f}/{ram['budget'] / 2**20:.0f} MiB, hits {ram['hits']} misses {ram['misses']} "
             f"evictions {ram['evictions']}, stored {cache['blocks_stored']} blocks "
-            f"{cache['checkpoints_stored']} checkpoints, corrupt {bad or 0}")
+            f"{cache['checkpoints_stored']} checkpoints, corrupt {bad or 0}{spill_text}")
+
+
+def _disk_line(disk) -> str:
+    if not disk:
+        return "disk: -"
+    quarantined = sum(disk.get("quarantined", {}).values())
+    state = f" DEGRADED ({disk['degraded']['reason']})" if disk.get("degraded") else ""
+    return (f"disk: {disk['blocks']} blocks {disk['bytes'] / 2**20:.1f} MiB of {disk['budget'] / 2**30:.1f} GiB, "
+            f"hits {disk['hits']} misses {disk['misses']}, evictions {disk['evictions']}, "
+            f"quarantined {quarantined}, dropped spills {disk['dropped_spills']}{state}")

@@ -32,7 +32,7 @@ from cluster.store import block_format
 from cluster.store.arrays import dtype_tag, host_views, to_mlx
 from cluster.store.block_format import Block, BlockError, Expect
 from cluster.store.hashing import chain_ids, state_key
-from cluster.store.ram_tier import RamTier
+from cluster.kvcache.tiers import TieredBlocks
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class CacheCounters:
 
 
 class PrefixCache:
-    def __init__(self, layout: Layout, namespace: bytes, config: CacheConfig, tier: RamTier, dtype: mx.Dtype,
+    def __init__(self, layout: Layout, namespace: bytes, config: CacheConfig, tier: TieredBlocks, dtype: mx.Dtype,
                  state_bytes: int = 0, kv_bytes_per_token: int = 0):
         self.layout = layout
         self.namespace = namespace
@@ -88,16 +88,20 @@ class PrefixCache:
         hit = self.tier.prefix_hits(ids if max_blocks is None else ids[:max_blocks])
         limit = min(hit * self.B, len(prompt) - 1)
         candidates = sorted({limit, *(j * self.B for j in range(1, hit + 1) if j * self.B <= limit)}, reverse=True)
-        n = next((c for c in candidates if c > 0 and self._restorable(c, ids)), 0)
+        checkpoints: set[int] = set()
+        if self.layout.has_recurrent and hit:  # one lookup for every candidate's checkpoint
+            ends = [c // self.B for c in candidates if c and c % self.B == 0]
+            checkpoints = {j for j, f in zip(ends, self.tier.present([state_key(ids[j - 1]) for j in ends])) if f}
+        n = next((c for c in candidates if c > 0 and self._restorable(c, checkpoints)), 0)
         return Plan(ids=ids, hit_blocks=hit, n=n)
 
-    def _restorable(self, n: int, ids: list[bytes]) -> bool:
+    def _restorable(self, n: int, checkpoints: set[int]) -> bool:
         at_boundary = n % self.B == 0
         for spec in self.layout.layers:
             if isinstance(spec, SlidingWindow) and sliding_keep(spec, self.B) < self.B and not at_boundary:
                 return False
         if self.layout.has_recurrent:
-            return at_boundary and self.tier.exists(state_key(ids[n // self.B - 1]))
+            return at_boundary and n // self.B in checkpoints
         return True
 
     def checkpoint_due(self, block_index: int, prompt_len: int) -> bool:
@@ -128,17 +132,19 @@ class PrefixCache:
 
     def _build(self, plan: Plan, prompt_len: int) -> list:
         n, m = plan.n, math.ceil(plan.n / self.B)
+        keys = plan.ids[:m]
+        if self.layout.has_recurrent:
+            keys = keys + [state_key(plan.ids[n // self.B - 1])]
+        datas = self.tier.get_many(keys)  # RAM, then one batched disk read
         parts: list[list] = [[None] * m for _ in self.layout.layers]
-        parent = self.namespace
         for j in range(m):
-            block = self._load(plan.ids[j], "kv", parent, j)
+            block = self._decode(datas[j], plan.ids[j], "kv", plan.ids[j - 1] if j else self.namespace, j, keys[j])
             for e, arrays in enumerate(block.entries):
                 parts[e][j] = [to_mlx(a) for a in arrays]
-            parent = plan.ids[j]
         state = None
         if self.layout.has_recurrent:
-            prev = plan.ids[n // self.B - 2] if n // self.B >= 2 else self.namespace
-            block = self._load(plan.ids[n // self.B - 1], "state", prev, n // self.B - 1, key=state_key(plan.ids[n // self.B - 1]))
+            j = n // self.B - 1
+            block = self._decode(datas[-1], plan.ids[j], "state", plan.ids[j - 1] if j else self.namespace, j, keys[-1])
             state = [[to_mlx(a) for a in arrays] for arrays in block.entries]
         room = prompt_len - n + 256
         caches = [restore_entry(spec, parts[e], n, self.B, room, state[e] if state else None)
@@ -146,21 +152,20 @@ class PrefixCache:
         mx.eval([c.state for c in caches])
         return caches
 
-    def _load(self, block_id: bytes, kind: str, parent: bytes, index: int, key: bytes | None = None) -> Block:
-        key = key or block_id
-        data = self.tier.get(key)
+    def _decode(self, data, block_id: bytes, kind: str, parent: bytes, index: int, key: bytes) -> Block:
         try:
             if data is None:
-                raise block_format.Truncated("block vanished from the tier between plan and restore")
+                raise block_format.Truncated("block vanished from the tiers between plan and restore")
             return block_format.decode(data, Expect(self.namespace, block_id, kind, self.described, self.B, parent))
         except BlockError as e:
-            self.tier.remove(key)
+            if data is not None:
+                self.tier.discard(key, e)
             e.block_index = index
             raise
 
     # -- store ---------------------------------------------------------------
     def store_block(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], caches: list) -> None:
-        if self.tier.exists(block_id):
+        if self.tier.in_ram(block_id):
             return
         start = index * self.B
         entries = _host([capture_block(spec, cache, start, start + self.B, self.B)
@@ -170,7 +175,7 @@ class PrefixCache:
 
     def store_state(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], state: list) -> None:
         key = state_key(block_id)
-        if self.tier.exists(key):
+        if self.tier.in_ram(key):
             return
         self._put(key, "state", block_id, parent, index * self.B, tokens, _host(state))
         self.counters.checkpoints_stored += 1
@@ -186,7 +191,7 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return {"block_tokens": self.B, "checkpoint_every": self.every, **self.counters.as_dict(),
-                "ram": self.tier.stats()}
+                **self.tier.stats()}
 
 
 def _host(entries: list[list[mx.array]]) -> list[list]:

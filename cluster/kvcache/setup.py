@@ -16,7 +16,8 @@ from cluster.families.specs import Layout, Recurrent
 from cluster.kvcache.prefix_cache import PrefixCache, layout_byte_sizes
 from cluster.models.resolve import read_config
 from cluster.store.fingerprint import Fingerprint, compute_fingerprint
-from cluster.store.ram_tier import RamTier
+from cluster.kvcache.disk_client import DiskClient, StoreLink
+from cluster.kvcache.tiers import TieredBlocks
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ def probe(model, layout: Layout) -> tuple[mx.Dtype, int, int]:
     return dtype, state_bytes, per_token
 
 
-def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path) -> CacheSetup:
+def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path,
+                store_link: Optional[StoreLink] = None, listener=None) -> CacheSetup:
+    """`store_link` is the node's disk tier (None: RAM only); `listener` receives tier events."""
     if not config.enabled:
         return CacheSetup(None, None, "disabled by configuration")
     try:
@@ -55,7 +58,8 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
                              kv_bits=bits, kv_group=config.kv_group_size if bits else None,
                              block_tokens=config.block_tokens,
                              chat_template=getattr(tokenizer, "chat_template", None), cache_dir=cache_dir)
-    tier = RamTier(config.ram_bytes)
+    disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes) if store_link is not None else None
+    tier = TieredBlocks(config.ram_bytes, fp.namespace, disk, listener)
     cache = PrefixCache(layout, fp.namespace, config, tier, dtype, state_bytes, per_token)
     log.info("KV block cache for %s: namespace %s, layout %s, %d B/token, checkpoint every %d blocks",
              layout.family, fp.short, layout.describe(), per_token, cache.every)

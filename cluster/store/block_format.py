@@ -247,3 +247,73 @@ def _arrays(records: list, payload: memoryview, n_entries: int) -> list[list[Tag
         end = off + nbytes
         entries[entry].append((tag, np.frombuffer(payload, dtype=dt, count=count, offset=off).reshape(shape)))
     return entries
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a store needs to know about a block without reading its payload."""
+
+    kind: str
+    namespace: bytes
+    id: bytes
+    parent: bytes
+    start: int
+    tokens: int
+    total_len: int  # the whole envelope, preamble to payload end
+
+
+def header_size(prefix) -> int:
+    """Bytes to read to parse the header (preamble + header + padding); needs the 32-byte preamble."""
+    view = memoryview(prefix)
+    if len(view) < PREAMBLE_SIZE:
+        raise Truncated("shorter than the preamble")
+    magic, version, _flags, hdr_len, _payload_len, _sum = _PREAMBLE.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise UnsupportedVersion(f"format version {version}, this reader knows {VERSION}")
+    if hdr_len > MAX_HEADER:
+        raise CorruptHeader(f"header length {hdr_len} is implausible")
+    return PREAMBLE_SIZE + hdr_len + _pad(PREAMBLE_SIZE + hdr_len)
+
+
+def peek(prefix) -> Header:
+    """Parse and checksum the header from the first header_size() bytes of a block."""
+    view = memoryview(prefix)
+    payload_at = header_size(view)
+    if len(view) < payload_at:
+        raise Truncated(f"{len(view)} bytes, the header needs {payload_at}")
+    _magic, _version, _flags, hdr_len, payload_len, hdr_sum = _PREAMBLE.unpack_from(view, 0)
+    check = xxhash.xxh3_64()
+    check.update(view[:24])
+    check.update(view[PREAMBLE_SIZE:payload_at])
+    if check.intdigest() != hdr_sum:
+        raise CorruptHeader("header checksum mismatch")
+    try:
+        h = msgpack.unpackb(view[PREAMBLE_SIZE:PREAMBLE_SIZE + hdr_len], raw=False)
+        tokens = np.frombuffer(h["tokens"], dtype="<u4")
+        header = Header(kind=h["kind"], namespace=h["ns"], id=h["id"], parent=h["parent"], start=int(h["start"]),
+                        tokens=len(tokens), total_len=payload_at + payload_len)
+    except Exception as e:  # any malformed field
+        raise CorruptHeader(f"header field missing or mistyped: {e}") from None
+    if block_id(header.namespace, header.parent, tokens) != header.id:
+        raise CorruptHeader("id does not hash from the header's parent and tokens")
+    return header
+
+
+def verify(buf, namespace: bytes, key: bytes, key_of) -> Header:
+    """Everything a store can check without knowing the model: framing, checksums, and that
+    the block is the one stored under (namespace, key). `key_of(header)` gives its storage key."""
+    view = memoryview(buf)
+    header = peek(view)
+    if len(view) != header.total_len:
+        raise Truncated(f"{len(view)} bytes, the preamble promises {header.total_len}")
+    if header.namespace != namespace:
+        raise ForeignNamespace("block belongs to another model fingerprint")
+    if key_of(header) != key:
+        raise WrongBlock("block is not the one stored under this key")
+    hdr_len = _PREAMBLE.unpack_from(view, 0)[3]
+    h = msgpack.unpackb(view[PREAMBLE_SIZE:PREAMBLE_SIZE + hdr_len], raw=False)
+    if xxhash.xxh3_128_digest(view[header_size(view):]) != h["sum"]:
+        raise CorruptPayload("payload checksum mismatch")
+    return header

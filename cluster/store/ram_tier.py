@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
-Listener = Callable[[str, bytes, int], None]  # (event, key, nbytes)
+Listener = Callable[[str, bytes, object], None]  # (event, key, the block's bytes)
 
 
 class RamTier:
@@ -46,6 +46,10 @@ class RamTier:
         with self._lock:
             return key in self._blocks
 
+    def present(self, keys: Iterable[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._blocks for k in keys]
+
     def prefix_hits(self, keys: Iterable[bytes]) -> int:
         n = 0
         with self._lock:
@@ -68,12 +72,12 @@ class RamTier:
                 old, old_data = self._blocks.popitem(last=False)
                 self._bytes -= len(old_data)
                 self.evictions += 1
-                evicted.append((old, len(old_data)))
+                evicted.append((old, old_data))
             self._blocks[key] = data
             self._bytes += len(data)
-        self._emit("stored", key, len(data))
-        for old, size in evicted:
-            self._emit("evicted", old, size)
+        self._emit("stored", key, data)
+        for old, old_data in evicted:
+            self._emit("evicted", old, old_data)  # with its bytes: a listener may spill them
         return True
 
     def remove(self, key: bytes) -> bool:
@@ -82,7 +86,7 @@ class RamTier:
             if data is None:
                 return False
             self._bytes -= len(data)
-        self._emit("evicted", key, len(data))
+        self._emit("evicted", key, data)
         return True
 
     def keys(self) -> list[bytes]:
@@ -95,6 +99,6 @@ class RamTier:
             return {"blocks": len(self._blocks), "bytes": self._bytes, "budget": self.budget, "hits": self.hits,
                     "misses": self.misses, "evictions": self.evictions, "rejected": self.rejected}
 
-    def _emit(self, event: str, key: bytes, nbytes: int) -> None:
+    def _emit(self, event: str, key: bytes, data) -> None:
         if self._listener is not None:
-            self._listener(event, key, nbytes)
+            self._listener(event, key, data)

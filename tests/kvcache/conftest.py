@@ -79,3 +79,25 @@ def harness(load_builtin, data_dir, tmp_path):
 def prompt_of(n: int, salt: int = 0) -> list[int]:
     """A deterministic, non-repeating token sequence (ids 3..1023: no specials)."""
     return [3 + (i * 7919 + salt * 104729) % 1021 for i in range(n)]
+
+
+@pytest.fixture
+def disk_harness(load_builtin, data_dir, tmp_path):
+    """A Harness whose cache also has a real disk tier (in-process DiskStore) and a tiny RAM tier."""
+    from cluster.kvcache.disk_client import LocalLink
+    from cluster.store.disk_tier import DiskStore
+
+    def make(name: str, ram_bytes: int = 1 << 30, node_dir=None, events=None, **kw) -> Harness:
+        model, tok = load_builtin(name)
+        store = DiskStore(node_dir or tmp_path / "node", budget=1 << 30,
+                          listener=events.append if events is not None else None)
+        h = Harness.__new__(Harness)
+        h.model, h.tok, h.B, h.step = model, tok, kw.get("block_tokens", 32), kw.get("prefill_step", 64)
+        cfg = CacheConfig(block_tokens=h.B, ram_bytes=ram_bytes, spill_queue_bytes=kw.get("queue", 256 << 20))
+        h.setup = setup_cache(model, tok, resolve_model(name, data_dir), cfg, tmp_path, store_link=LocalLink(store),
+                              listener=events.append if events is not None else None)
+        h.pc = h.setup.cache
+        h.tol = TOLERANCE[getattr(mx, h.pc.dtype)]
+        h.store = store
+        return h
+    return make

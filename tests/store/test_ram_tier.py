@@ -7,7 +7,7 @@ def k(i: int) -> bytes:
 
 def test_lru_eviction_order_is_exact():
     events = []
-    t = RamTier(budget_bytes=300, listener=lambda ev, key, n: events.append((ev, key[0], n)))
+    t = RamTier(budget_bytes=300, listener=lambda ev, key, data: events.append((ev, key[0], len(data))))
     for i in range(3):
         assert t.put(k(i), b"x" * 100)
     t.get(k(0))                      # 0 becomes most recent: order 1, 2, 0
@@ -38,7 +38,7 @@ def test_prefix_hits_counts_from_the_start():
 
 def test_put_twice_costs_nothing_and_remove_emits():
     events = []
-    t = RamTier(1000, listener=lambda ev, key, n: events.append(ev))
+    t = RamTier(1000, listener=lambda ev, key, data: events.append(ev))
     t.put(k(1), b"abc")
     t.put(k(1), b"abc")
     assert events == ["stored"] and t.stats()["bytes"] == 3

@@ -1,0 +1,132 @@
+"""NodeStore: the one process on a node that owns its disk tier, as a Ray actor.
+
+The node's replicas (and, later, peers) talk to it: spills arrive as batches,
+lookups and read leases are answered from its index, and every block it stores
+or evicts becomes an event. Replicas read pinned block files directly (same
+machine), so restores do not pay for an extra copy through Ray.
+
+It is a detached, named actor per node (`mlxf-store-<node id>` in the
+`mlx-fleet` namespace) pinned to its node: replicas that restart find the same
+one, and a restarted node rebuilds its index from the files (DiskStore.recover).
+Its stats go to Redis (`mlxf:node:<node id>`, expiring) for `mlx-fleet status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import msgpack
+
+from cluster.store.disk_tier import BlockEvent, DiskStore
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "mlx-fleet"
+NODE_KEY_PREFIX = "mlxf:node:"
+LEASE_TTL_S = 120.0
+EVENTS_KEPT = 100_000
+
+
+def store_name(node_id: str) -> str:
+    return f"mlxf-store-{node_id}"
+
+
+class NodeStore:
+    def __init__(self, node_id: str, node_dir: str, budget: Optional[int], redis_url: Optional[str],
+                 stats_ttl_s: float = 6.0):
+        self.node_id = node_id
+        self.events: deque[tuple[int, BlockEvent]] = deque(maxlen=EVENTS_KEPT)
+        self._seq = 0
+        self._event_lock = threading.Lock()
+        self.disk = DiskStore(Path(node_dir), budget, listener=self._on_event)
+        self._leases: dict[int, tuple[bytes, list[bytes], float]] = {}
+        self._next_lease = 0
+        self._stop = threading.Event()
+        self._redis_url = redis_url
+        self._stats_ttl_s = stats_ttl_s
+        threading.Thread(target=self._maintain, name="mlx-fleet-store", daemon=True).start()
+        log.info("node store for %s at %s: %s", node_id, node_dir, self.disk.recovery)
+
+    # -- the StoreLink API ----------------------------------------------------------
+    async def write(self, ns: bytes, items: list) -> dict:
+        return await asyncio.to_thread(self.disk.write_many, [(ns, k, d) for k, d in items])
+
+    async def contains(self, ns: bytes, keys: list[bytes]) -> list[bool]:
+        return self.disk.contains(ns, keys)
+
+    async def open_read(self, ns: bytes, keys: list[bytes], ttl_s: float = LEASE_TTL_S) -> tuple[int, list]:
+        located = self.disk.open_read(ns, keys)
+        self._next_lease += 1
+        self._leases[self._next_lease] = (ns, [k for k, loc in zip(keys, located) if loc], time.monotonic() + ttl_s)
+        return self._next_lease, located
+
+    async def close_read(self, lease: int, good: list[bytes], bad: list[tuple[bytes, str, str]]) -> None:
+        entry = self._leases.pop(lease, None)
+        if entry is None:
+            return  # expired: its pins were already released
+        ns, pinned, _ = entry
+        await asyncio.to_thread(self.disk.close_read, ns, pinned, good, bad)
+
+    # -- inspection -------------------------------------------------------------------
+    async def stats(self) -> dict:
+        return {"node_id": self.node_id, "read_leases": len(self._leases), **self.disk.stats()}
+
+    async def events_since(self, seq: int, limit: int = 10_000) -> tuple[int, list[BlockEvent]]:
+        with self._event_lock:
+            out = [e for s, e in self.events if s > seq][:limit]
+            return (seq + len(out)) if out else seq, out
+
+    async def ping(self) -> str:
+        return self.node_id
+
+    # -----------------------------------------------------------------------------------
+    def _on_event(self, event: BlockEvent) -> None:
+        with self._event_lock:
+            self._seq += 1
+            self.events.append((self._seq, event))
+
+    def _maintain(self) -> None:
+        """Expire read leases of readers that died, and publish stats to Redis."""
+        client = None
+        while not self._stop.wait(self._stats_ttl_s / 3):
+            now = time.monotonic()
+            for lease, (ns, pinned, expires) in list(self._leases.items()):
+                if expires < now and self._leases.pop(lease, None) is not None:
+                    self.disk.close_read(ns, pinned, [], [])
+            if self._redis_url:
+                client = self._publish(client)
+
+    def _publish(self, client):
+        import redis
+
+        from cluster.store.leases import connect
+
+        try:
+            client = client or connect(self._redis_url)
+            payload = {"node_id": self.node_id, "renewed": time.time(), **self.disk.stats()}
+            client.set(NODE_KEY_PREFIX + self.node_id, msgpack.packb(payload), px=int(self._stats_ttl_s * 1000))
+        except redis.RedisError as e:
+            log.debug("could not publish node stats: %s", e)
+            client = None
+        return client
+
+
+def get_or_create(node_id: str, node_dir: Path, budget: Optional[int], redis_url: Optional[str]):
+    """This node's store actor (created on first use, pinned to the calling process's node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(NodeStore).options(
+        name=store_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, max_restarts=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    )
+    handle = actor.remote(node_id, str(node_dir), budget, redis_url)
+    ray.get(handle.ping.remote(), timeout=120)
+    return handle

@@ -1,0 +1,108 @@
+"""Restores through the disk tier: exact, verified, and a bad file is a miss that still answers right."""
+
+import threading
+
+import pytest
+
+from cluster.store.hashing import chain_ids
+from tests.kvcache.conftest import prompt_of
+
+B = 32
+
+
+def flush(h):
+    assert h.pc.tier.disk.flush(30)
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-swa", "tiny-hybrid"])
+def test_restart_restores_exactly_from_disk(disk_harness, tmp_path, name):
+    first = disk_harness(name, node_dir=tmp_path / "n")
+    prompt = prompt_of(260)
+    first.warm(prompt, max_tokens=20)
+    flush(first)
+    again = disk_harness(name, node_dir=tmp_path / "n")  # a new process: empty RAM, same disk
+    assert again.store.recovery["blocks"] == len(first.store.index)
+    warm, cold = again.warm(prompt), again.cold(prompt)
+    assert warm.cached >= 192
+    again.assert_same(warm, cold)
+    assert again.pc.tier.disk.counters["disk_hits"] > 0 and again.pc.tier.stats()["ram"]["blocks"] > 0  # promoted
+
+
+def test_ram_evictions_are_served_from_disk(disk_harness):
+    h = disk_harness("tiny-dense", ram_bytes=300_000)  # ~2 blocks of RAM
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    flush(h)
+    assert h.pc.tier.ram.evictions > 0
+    warm, cold = h.warm(prompt), h.cold(prompt)
+    assert warm.cached == 288
+    h.assert_same(warm, cold)
+
+
+def test_a_full_spill_queue_drops_the_oldest_and_ram_eviction_spills_it_again(disk_harness):
+    h = disk_harness("tiny-dense", queue=1 << 20)  # ~4 blocks of queue
+    disk = h.pc.tier.disk
+    gate, real_write = threading.Event(), disk.link.write
+    disk.link.write = lambda ns, items: (gate.wait(), real_write(ns, items))[1]  # a stalled disk
+    prompt = prompt_of(40 * B)
+    h.warm(prompt, max_tokens=1)  # generation does not wait for the disk
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    gate.set()
+    flush(h)
+    dropped = disk.counters["dropped_spills"]
+    assert dropped > 0 and disk.counters["spilled"] + dropped == len(ids)
+    missing = [k for k in ids if k not in h.store.index]
+    assert len(missing) == dropped and missing[0] == ids[1]  # the oldest pending went first
+    disk.queue_bytes = 64 << 20  # the disk caught up: room to queue again
+    h.pc.tier.ram.budget = 2  # evict everything from RAM: the missing blocks spill on the way out
+    h.pc.tier.ram.put(b"x" * 32, b"yy")
+    flush(h)
+    assert all(k in h.store.index for k in ids)
+
+
+@pytest.mark.parametrize("how,reason", [("truncate", "truncated"), ("flip", "payload"), ("header", "header"),
+                                        ("foreign", "namespace"), ("swap", "id")])
+def test_corrupt_file_is_quarantined_and_the_answer_is_still_right(disk_harness, tmp_path, how, reason):
+    h = disk_harness("tiny-swa", node_dir=tmp_path / "n")
+    prompt = prompt_of(250)
+    h.warm(prompt, max_tokens=2)
+    flush(h)
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    path = h.store.path(h.pc.namespace, ids[3])
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        data = data[:-10]
+    elif how == "flip":
+        data[-100] ^= 4
+    elif how == "header":
+        data[60] ^= 4
+    elif how == "foreign":
+        other = disk_harness("tiny-dense", node_dir=tmp_path / "other")
+        other.warm(prompt, max_tokens=2)
+        flush(other)
+        data = other.store.path(other.pc.namespace, chain_ids(other.pc.namespace, prompt, B)[3]).read_bytes()
+    elif how == "swap":
+        data = h.store.path(h.pc.namespace, ids[2]).read_bytes()
+    path.write_bytes(bytes(data))
+    fresh = disk_harness("tiny-swa", node_dir=tmp_path / "n")  # empty RAM: the restore must read the disk
+    warm, cold = fresh.warm(prompt), fresh.cold(prompt)
+    assert warm.cached == 3 * B  # the blocks before the bad one
+    fresh.assert_same(warm, cold)
+    quarantined = fresh.store.stats()["quarantined"]
+    assert quarantined[reason] == 1 or fresh.store.recovery["quarantined"] == 1
+    assert not path.exists() or fresh.store.index.get(ids[3]) is not None  # re-stored after the recompute
+
+
+def test_tier_events_carry_the_block_identity(disk_harness):
+    events = []
+    h = disk_harness("tiny-dense", ram_bytes=300_000, events=events)
+    prompt = prompt_of(160)
+    h.warm(prompt, max_tokens=1)
+    flush(h)
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    stored_disk = [e for e in events if e.event == "stored" and e.tier == "disk"]
+    stored_ram = [e for e in events if e.event == "stored" and e.tier == "ram"]
+    assert [e.key for e in stored_ram][:5] == ids[:5] and {e.key for e in stored_disk} >= set(ids[:5])
+    first = next(e for e in stored_ram if e.key == ids[1])
+    assert (first.namespace, first.parent, first.tokens) == (h.pc.namespace, ids[0], B) and first.nbytes > 0
+    assert any(e.event == "evicted" and e.tier == "ram" for e in events)
