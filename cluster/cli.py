@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block (16-256)")
     up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4"], help="how K/V are kept")
     up.add_argument("--cache-ram-gb", type=float, default=None, help="RAM tier budget per replica in GiB (default 2)")
+    up.add_argument("--cache-disk-gb", type=float, default=None,
+                    help="disk tier budget per node in GiB (default: half the free space, at most 100)")
+    up.add_argument("--no-disk-cache", action="store_true", help="keep blocks in RAM only")
     up.add_argument("--no-cache", action="store_true", help="disable KV block reuse")
     up.add_argument("--max-context", type=int, default=None, help="override every model's context window")
     up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503")
@@ -52,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     _data_dir(models)
 
     bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
-    bench.add_argument("name", help="which benchmark: codec | ttft | blocksize")
+    bench.add_argument("name", help="which benchmark: ttft | codec | blocksize | disk")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return p
 
@@ -66,8 +69,11 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
     overrides = {"max_context": a.max_context} if a.max_context else {}
     models = [ModelSpec.parse(m, **overrides) for m in (a.model or ["tiny-dense"])]
     ram = int(a.cache_ram_gb * 2**30) if a.cache_ram_gb is not None else None
-    cache = {k: v for k, v in {"block_tokens": a.block_tokens, "kv_codec": a.kv_codec, "ram_bytes": ram}.items()
-             if v is not None}
+    disk = int(a.cache_disk_gb * 2**30) if a.cache_disk_gb is not None else None
+    cache = {k: v for k, v in {"block_tokens": a.block_tokens, "kv_codec": a.kv_codec, "ram_bytes": ram,
+                               "disk_bytes": disk}.items() if v is not None}
+    if a.no_disk_cache:
+        cache["disk"] = False
     if a.no_cache:
         cache["enabled"] = False
     gateway = {"assign_timeout_s": a.assign_timeout} if a.assign_timeout else {}

@@ -6,6 +6,7 @@ BENCHMARKS: dict[str, str] = {
     "codec": "cluster.bench.codec",
     "ttft": "cluster.bench.ttft",
     "blocksize": "cluster.bench.blocksize",
+    "disk": "cluster.bench.disk",
 }
 
 

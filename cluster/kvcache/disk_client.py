@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Protocol
 
@@ -34,6 +35,7 @@ from cluster.store.disk_tier import DiskStore, key_of, read_file
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 64 << 20
+READ_THREADS = 4
 CALL_TIMEOUT_S = 30.0
 
 
@@ -109,6 +111,8 @@ class DiskClient:
         self._busy = False  # a batch is being written
         self.counters = {"spilled": 0, "dropped_spills": 0, "spill_errors": 0, "read_errors": 0,
                          "disk_hits": 0, "disk_misses": 0}
+        # Reads overlap: several files in flight keep an SSD's queue busy (file reads release the GIL).
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlx-fleet-read")
         self._thread = threading.Thread(target=self._run, name="mlx-fleet-spiller", daemon=True)
         self._thread.start()
 
@@ -187,18 +191,13 @@ class DiskClient:
             log.warning("disk read failed: %s", e)
             return [None] * len(keys)
         out, good, bad = [], [], []
-        for key, loc in zip(keys, located):
-            data = None
-            if loc is not None:
-                try:
-                    data = read_file(Path(loc[0]), loc[1])
-                    block_format.verify(data, self.ns, key, key_of)
-                    good.append(key)
-                except (BlockError, OSError) as e:
-                    bad.append((key, getattr(e, "reason", "io"), str(e)))
-                    self.counters["read_errors"] += 1
-                    self.on_disk.discard(key)
-                    data = None
+        for key, (data, error) in zip(keys, self._pool.map(self._read_one, keys, located)):
+            if error is not None:
+                bad.append((key, getattr(error, "reason", "io"), str(error)))
+                self.counters["read_errors"] += 1
+                self.on_disk.discard(key)
+            elif data is not None:
+                good.append(key)
             self.counters["disk_hits" if data is not None else "disk_misses"] += 1
             out.append(data)
         try:
@@ -206,6 +205,16 @@ class DiskClient:
         except Exception as e:
             log.warning("releasing a disk read failed: %s", e)
         return out
+
+    def _read_one(self, key: bytes, loc) -> tuple[Optional[np.ndarray], Optional[Exception]]:
+        if loc is None:
+            return None, None
+        try:
+            data = read_file(Path(loc[0]), loc[1])
+            block_format.verify(data, self.ns, key, key_of)
+            return data, None
+        except (BlockError, OSError) as e:
+            return None, e
 
     def discard(self, key: bytes, reason: str, detail: str) -> None:
         """A block that decoded badly at a higher level: have the store quarantine it."""
