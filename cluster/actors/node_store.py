@@ -93,7 +93,7 @@ class NodeStore:
 
     def _maintain(self) -> None:
         """Expire read leases of readers that died, and publish stats to Redis."""
-        client = None
+        client = self._publish(None) if self._redis_url else None
         while not self._stop.wait(self._stats_ttl_s / 3):
             now = time.monotonic()
             for lease, (ns, pinned, expires) in list(self._leases.items()):

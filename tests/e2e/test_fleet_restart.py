@@ -50,7 +50,7 @@ def test_restarted_fleet_answers_the_second_turn_from_disk(tmp_path):
     assert fleet.processes() == []
 
     with LocalFleet(tmp_path, nodes=1) as again:
-        disk = again.status()["nodes"][0]["disk"]
+        disk = wait_for_spills(again)["nodes"][0]["disk"]
         assert disk["recovery"]["blocks"] == blocks_before and disk["recovery"]["quarantined"] == 0
         after, cached, n = chat(again, turn2)
         assert after == before  # identical greedy text
