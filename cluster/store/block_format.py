@@ -176,34 +176,36 @@ def encode(block: Block) -> memoryview:
 def decode(buf, expect: Expect) -> Block:
     """Parse and verify `buf` (bytes or memoryview); arrays are numpy views into it."""
     view = memoryview(buf)
-    if len(view) < PREAMBLE_SIZE:
-        raise Truncated(f"{len(view)} bytes is shorter than the {PREAMBLE_SIZE}-byte preamble")
-    magic, version, _flags, hdr_len, payload_len, hdr_sum = _PREAMBLE.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise BadMagic(f"bad magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise UnsupportedVersion(f"format version {version}, this reader knows {VERSION}")
-    if hdr_len > MAX_HEADER:
-        raise CorruptHeader(f"header length {hdr_len} is implausible")
-    payload_at = PREAMBLE_SIZE + hdr_len + _pad(PREAMBLE_SIZE + hdr_len)
-    if len(view) != payload_at + payload_len:
-        raise Truncated(f"{len(view)} bytes, the preamble promises {payload_at + payload_len}")
-    header_bytes = view[PREAMBLE_SIZE: PREAMBLE_SIZE + hdr_len]
-    check = xxhash.xxh3_64()
-    check.update(view[:24])
-    check.update(view[PREAMBLE_SIZE:payload_at])
-    if check.intdigest() != hdr_sum:
-        raise CorruptHeader("header checksum mismatch")
-    try:
-        h = msgpack.unpackb(header_bytes, raw=False)
-    except Exception as e:  # msgpack raises several types for garbage
-        raise CorruptHeader(f"header is not msgpack: {e}") from None
+    h, payload_at = _read_header(view, whole=True)
     block = _check_header(h, expect)
     payload = view[payload_at:]
     if xxhash.xxh3_128_digest(payload) != h["sum"]:
         raise CorruptPayload("payload checksum mismatch")
     block.entries = _arrays(h["arrays"], payload, len(block.layout))
     return block
+
+
+def _read_header(view: memoryview, whole: bool) -> tuple[dict, int]:
+    """Preamble checks, header checksum, msgpack: (header fields, payload offset).
+
+    `whole`: `view` must be the entire block; otherwise a prefix holding the header is enough."""
+    payload_at = header_size(view)
+    hdr_len, payload_len, hdr_sum = _PREAMBLE.unpack_from(view, 0)[3:]
+    if (len(view) != payload_at + payload_len) if whole else (len(view) < payload_at):
+        raise Truncated(f"{len(view)} bytes, the preamble promises {payload_at + payload_len}")
+    check = xxhash.xxh3_64()
+    check.update(view[:24])
+    check.update(view[PREAMBLE_SIZE:payload_at])
+    if check.intdigest() != hdr_sum:
+        raise CorruptHeader("header checksum mismatch")
+    try:
+        h = msgpack.unpackb(view[PREAMBLE_SIZE:PREAMBLE_SIZE + hdr_len], raw=False)
+    except Exception as e:  # msgpack raises several types for garbage
+        raise CorruptHeader(f"header is not msgpack: {e}") from None
+    if not isinstance(h, dict):
+        raise CorruptHeader("header is not a map")
+    h["_total"] = payload_at + payload_len
+    return h, payload_at
 
 
 def _check_header(h: dict, expect: Expect) -> Block:
@@ -266,7 +268,7 @@ def header_size(prefix) -> int:
     """Bytes to read to parse the header (preamble + header + padding); needs the 32-byte preamble."""
     view = memoryview(prefix)
     if len(view) < PREAMBLE_SIZE:
-        raise Truncated("shorter than the preamble")
+        raise Truncated(f"{len(view)} bytes is shorter than the {PREAMBLE_SIZE}-byte preamble")
     magic, version, _flags, hdr_len, _payload_len, _sum = _PREAMBLE.unpack_from(view, 0)
     if magic != MAGIC:
         raise BadMagic(f"bad magic {bytes(magic)!r}")
@@ -277,23 +279,11 @@ def header_size(prefix) -> int:
     return PREAMBLE_SIZE + hdr_len + _pad(PREAMBLE_SIZE + hdr_len)
 
 
-def peek(prefix) -> Header:
-    """Parse and checksum the header from the first header_size() bytes of a block."""
-    view = memoryview(prefix)
-    payload_at = header_size(view)
-    if len(view) < payload_at:
-        raise Truncated(f"{len(view)} bytes, the header needs {payload_at}")
-    _magic, _version, _flags, hdr_len, payload_len, hdr_sum = _PREAMBLE.unpack_from(view, 0)
-    check = xxhash.xxh3_64()
-    check.update(view[:24])
-    check.update(view[PREAMBLE_SIZE:payload_at])
-    if check.intdigest() != hdr_sum:
-        raise CorruptHeader("header checksum mismatch")
+def _header_of(h: dict) -> Header:
     try:
-        h = msgpack.unpackb(view[PREAMBLE_SIZE:PREAMBLE_SIZE + hdr_len], raw=False)
         tokens = np.frombuffer(h["tokens"], dtype="<u4")
         header = Header(kind=h["kind"], namespace=h["ns"], id=h["id"], parent=h["parent"], start=int(h["start"]),
-                        tokens=len(tokens), total_len=payload_at + payload_len)
+                        tokens=len(tokens), total_len=h["_total"])
     except Exception as e:  # any malformed field
         raise CorruptHeader(f"header field missing or mistyped: {e}") from None
     if block_id(header.namespace, header.parent, tokens) != header.id:
@@ -301,19 +291,21 @@ def peek(prefix) -> Header:
     return header
 
 
+def peek(prefix) -> Header:
+    """Parse and checksum the header from (at least) the first header_size() bytes of a block."""
+    return _header_of(_read_header(memoryview(prefix), whole=False)[0])
+
+
 def verify(buf, namespace: bytes, key: bytes, key_of) -> Header:
     """Everything a store can check without knowing the model: framing, checksums, and that
     the block is the one stored under (namespace, key). `key_of(header)` gives its storage key."""
     view = memoryview(buf)
-    header = peek(view)
-    if len(view) != header.total_len:
-        raise Truncated(f"{len(view)} bytes, the preamble promises {header.total_len}")
+    h, payload_at = _read_header(view, whole=True)
+    header = _header_of(h)
     if header.namespace != namespace:
         raise ForeignNamespace("block belongs to another model fingerprint")
     if key_of(header) != key:
         raise WrongBlock("block is not the one stored under this key")
-    hdr_len = _PREAMBLE.unpack_from(view, 0)[3]
-    h = msgpack.unpackb(view[PREAMBLE_SIZE:PREAMBLE_SIZE + hdr_len], raw=False)
-    if xxhash.xxh3_128_digest(view[header_size(view):]) != h["sum"]:
+    if xxhash.xxh3_128_digest(view[payload_at:]) != h["sum"]:
         raise CorruptPayload("payload checksum mismatch")
     return header
