@@ -220,8 +220,11 @@ def _deploy(cfg: FleetConfig, state: FleetState, progress: Progress) -> None:
 
     from cluster.actors.app import build_app
 
+    import logging
+
     app_config = AppConfig.model_validate({**cfg.app.model_dump(), "data_dir": state.data_dir,
                                            "redis_url": state.redis_url})
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our progress lines say it better
     connect(state)
     try:
         with progress.step(f"serve app ({len(app_config.models)} model(s) x {cfg.nodes} node(s))"):

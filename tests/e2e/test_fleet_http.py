@@ -15,12 +15,14 @@ from tests.local_fleet import LocalFleet
 
 pytestmark = pytest.mark.fleet
 MODEL = "tiny-dense"
+OTHER = "tiny-swa"  # a second model in the same fleet: one deployment each
 HELLO = [{"role": "user", "content": "Hello there, fleet!"}]
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    with LocalFleet(tmp_path_factory.mktemp("fleet"), nodes=2, extra=("--assign-timeout", "5")) as f:
+    with LocalFleet(tmp_path_factory.mktemp("fleet"), nodes=2, models=(MODEL, OTHER),
+                    extra=("--assign-timeout", "5")) as f:
         yield f
     assert f.processes() == [], "mlx-fleet down left processes behind"
 
@@ -45,12 +47,22 @@ def test_up_prints_endpoint_and_a_curl_that_works(fleet, http):
 
 
 def test_models_endpoint(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, OTHER]
 
 
 def test_health(http):
     r = http.get("/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok", "models": {MODEL: True}}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "models": {MODEL: True, OTHER: True}}
+
+
+def test_the_model_field_routes_between_models(client):
+    def greedy(model):
+        return client.completions.create(model=model, prompt="Route me", max_tokens=12, temperature=0)
+
+    a, b = greedy(MODEL), greedy(OTHER)
+    assert (a.model, b.model) == (MODEL, OTHER)
+    assert a.choices[0].text != b.choices[0].text  # different weights, different soup
+    assert greedy(OTHER).choices[0].text == b.choices[0].text
 
 
 def test_chat_completion(client):
@@ -176,10 +188,12 @@ def test_unknown_route_is_openai_404(http):
 def test_status_lists_nodes_replicas_and_models(fleet, http):
     status = fleet.status()
     assert [n["node_id"] for n in status["nodes"]] == ["node-0", "node-1"] and all(n["alive"] for n in status["nodes"])
-    assert sorted(r["node_id"] for r in status["replicas"]) == ["node-0", "node-1"]
+    assert sorted((r["model"], r["node_id"]) for r in status["replicas"]) == [
+        (MODEL, "node-0"), (MODEL, "node-1"), (OTHER, "node-0"), (OTHER, "node-1")]
     for r in status["replicas"]:
         assert r["cache"]["enabled"] and r["cache"]["block_tokens"] == 64 and r["cache"]["ram"]["budget"] == 2 << 30
-    assert status["models"] == [{"name": MODEL, "replicas": 2, "nodes": ["node-0", "node-1"]}]
+    assert status["models"] == [{"name": MODEL, "replicas": 2, "nodes": ["node-0", "node-1"]},
+                                {"name": OTHER, "replicas": 2, "nodes": ["node-0", "node-1"]}]
     assert http.get("/v1/fleet/status").json()["models"] == status["models"]
     text = fleet.cli("status").stdout
     assert "node-0" in text and "node-1" in text and MODEL in text and "cache " in text
@@ -187,7 +201,7 @@ def test_status_lists_nodes_replicas_and_models(fleet, http):
 
 def test_no_live_replica_is_503_with_retry_after(fleet, http):
     """Freeze every replica (a hung Mac): the gateway must answer 503 + Retry-After, not hang or 500."""
-    pids = [r["pid"] for r in fleet.status()["replicas"]]
+    pids = [r["pid"] for r in fleet.status()["replicas"] if r["model"] == MODEL]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -197,7 +211,10 @@ def test_no_live_replica_is_503_with_retry_after(fleet, http):
         err = error_of(r, 503)
         assert err["code"] == "no_replica_available" and r.headers["retry-after"] == "2"
         assert elapsed < 15
-        assert http.get("/health", timeout=30).status_code == 503
+        health = http.get("/health", timeout=30)
+        assert health.status_code == 503 and health.json()["models"] == {MODEL: False, OTHER: True}
+        other = http.post("/v1/chat/completions", json={"model": OTHER, "messages": HELLO, "max_tokens": 2})
+        assert other.status_code == 200  # the other model is unaffected
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)

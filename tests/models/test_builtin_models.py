@@ -74,3 +74,18 @@ def test_resolve_errors_name_the_problem(tmp_path, data_dir):
 def test_local_directory_is_used_as_is(data_dir):
     path = resolve_model("tiny-dense", data_dir)
     assert resolve_model(str(path), data_dir) == path.resolve()
+
+
+def test_models_cli_lists_and_builds(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "models", "--json", "--data-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert set(rows) == set(LISTED)
+    assert rows["tiny-swa"]["family"] == "gemma3_text" and rows["tiny-swa"]["parameters"] == 5_053_440
+    assert Path(rows["tiny-swa"]["path"]) == tmp_path / "models" / "tiny-swa"
+    assert (tmp_path / "models" / "tiny-swa" / "model.safetensors").is_file()
