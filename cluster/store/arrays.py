@@ -27,9 +27,6 @@ def host_views(arrays: list[mx.array]) -> list[Tagged]:
     return [(dtype_tag(a.dtype), np.asarray(b)) for a, b in zip(arrays, bits)]
 
 
-def to_numpy(a: mx.array) -> Tagged:
-    return host_views([a])[0]
-
 
 def to_mlx(tagged: Tagged) -> mx.array:
     tag, data = tagged

@@ -13,7 +13,6 @@ read verifies them anyway.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable, Optional
 
 import msgpack
@@ -79,6 +78,3 @@ def read_leases(client: redis.Redis, model: Optional[str] = None) -> list[dict]:
             out.append(msgpack.unpackb(raw))
     return sorted(out, key=lambda d: (d.get("model", ""), d.get("node_id", "")))
 
-
-def now() -> float:
-    return time.time()
