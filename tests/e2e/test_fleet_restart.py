@@ -22,7 +22,7 @@ def chat(fleet, messages, max_tokens=24):
     return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens
 
 
-def wait_for_spills(fleet, timeout_s=30):
+def wait_for_spills(fleet, timeout_s=90):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = fleet.status()
