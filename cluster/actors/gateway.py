@@ -23,7 +23,7 @@ from cluster.api.errors import APIError, from_validation_errors, internal
 from cluster.api.responses import SSE_DONE, Reply, sse
 from cluster.api.schemas import ChatCompletionRequest, CompletionRequest
 from cluster.config import AppConfig
-from cluster.engine.events import Delta, Failed, Finished, Started
+from cluster.engine.events import Delta, Failed, Finished
 from cluster.fleet.status import fleet_status
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,6 @@ class Gateway:
                         yield reply.usage_chunk(event)
                 elif isinstance(event, Failed):
                     yield sse({"error": {"message": event.message, "type": "server_error", "param": None, "code": "generation_failed"}})
-                elif isinstance(event, Started):
-                    pass
             yield SSE_DONE
         except Exception as e:  # the replica died mid-stream: say so in-band, the status is already sent
             log.warning("stream %s broke: %s", reply.id, e)

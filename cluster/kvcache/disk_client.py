@@ -23,14 +23,11 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Optional, Protocol
 
 import numpy as np
 
-from cluster.store import block_format
-from cluster.store.block_format import BlockError
-from cluster.store.disk_tier import DiskStore, key_of, read_file
+from cluster.store.disk_tier import DiskStore, read_verified
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +188,10 @@ class DiskClient:
             log.warning("disk read failed: %s", e)
             return [None] * len(keys)
         out, good, bad = [], [], []
-        for key, (data, error) in zip(keys, self._pool.map(self._read_one, keys, located)):
+        reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys)
+        for key, (data, error) in zip(keys, reads):
             if error is not None:
-                bad.append((key, getattr(error, "reason", "io"), str(error)))
+                bad.append(error)
                 self.counters["read_errors"] += 1
                 self.on_disk.discard(key)
             elif data is not None:
@@ -205,16 +203,6 @@ class DiskClient:
         except Exception as e:
             log.warning("releasing a disk read failed: %s", e)
         return out
-
-    def _read_one(self, key: bytes, loc) -> tuple[Optional[np.ndarray], Optional[Exception]]:
-        if loc is None:
-            return None, None
-        try:
-            data = read_file(Path(loc[0]), loc[1])
-            block_format.verify(data, self.ns, key, key_of)
-            return data, None
-        except (BlockError, OSError) as e:
-            return None, e
 
     def discard(self, key: bytes, reason: str, detail: str) -> None:
         """A block that decoded badly at a higher level: have the store quarantine it."""

@@ -42,10 +42,9 @@ CORRUPT_REASONS = sorted({cls.reason for cls in (BlockError, *BlockError.__subcl
 
 @dataclass
 class Plan:
-    """What a prompt can reuse: its block ids, how many are cached, and where to restore to."""
+    """What a prompt can reuse: its block ids and where to restore to."""
 
     ids: list[bytes]
-    hit_blocks: int
     n: int
 
 
@@ -93,7 +92,7 @@ class PrefixCache:
             ends = [c // self.B for c in candidates if c and c % self.B == 0]
             checkpoints = {j for j, f in zip(ends, self.tier.present([state_key(ids[j - 1]) for j in ends])) if f}
         n = next((c for c in candidates if c > 0 and self._restorable(c, checkpoints)), 0)
-        return Plan(ids=ids, hit_blocks=hit, n=n)
+        return Plan(ids=ids, n=n)
 
     def _restorable(self, n: int, checkpoints: set[int]) -> bool:
         at_boundary = n % self.B == 0

@@ -82,6 +82,20 @@ def read_file(path: Path, size: Optional[int] = None) -> np.ndarray:
         return buf
 
 
+def read_verified(loc: Optional[tuple[str, int]], ns: bytes, key: bytes
+                  ) -> tuple[Optional[np.ndarray], Optional[tuple[bytes, str, str]]]:
+    """Read a located block file and verify it: (data, None), (None, (key, reason, detail)) for a bad
+    block, or (None, None) for a miss (loc is None). Shared by the store and by replicas' direct reads."""
+    if loc is None:
+        return None, None
+    try:
+        data = read_file(Path(loc[0]), loc[1])
+        block_format.verify(data, ns, key, key_of)
+        return data, None
+    except (BlockError, OSError) as e:
+        return None, (key, getattr(e, "reason", "io"), str(e))
+
+
 def default_budget(root: Path, fraction: float = 0.5, cap: int = 100 << 30) -> int:
     """Half of the free space where the blocks live, at most 100 GiB."""
     root.mkdir(parents=True, exist_ok=True)
@@ -246,21 +260,11 @@ class DiskStore:
         good, bad, out = [], [], []
         try:
             for k, loc in zip(keys, located):
-                if loc is None:
-                    out.append(None)
-                    continue
-                try:
-                    data = read_file(Path(loc[0]), loc[1])
-                    block_format.verify(data, ns, k, key_of)
-                except BlockError as e:
-                    bad.append((k, e.reason, str(e)))
-                    out.append(None)
-                    continue
-                except OSError as e:
-                    bad.append((k, "io", str(e)))
-                    out.append(None)
-                    continue
-                good.append(k)
+                data, error = read_verified(loc, ns, k)
+                if error is not None:
+                    bad.append(error)
+                elif data is not None:
+                    good.append(k)
                 out.append(data)
         finally:
             self.close_read(ns, pinned, good, bad)
