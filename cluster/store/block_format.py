@@ -93,6 +93,27 @@ class ChainBroken(BlockError):
     reason = "parent"
 
 
+class BadStart(BlockError):
+    reason = "start"
+
+
+class BadDtype(BlockError):
+    reason = "dtype"
+
+
+class BadCodec(BlockError):
+    reason = "codec"
+
+
+class BadShape(BlockError):
+    reason = "shape"
+
+
+# Why a block can be refused: every BlockError reason, plus "unexpected" for any
+# other exception while decoding or restoring it (still a miss, never an answer).
+REASONS = tuple(sorted({cls.reason for cls in (BlockError, *BlockError.__subclasses__())} | {"unexpected"}))
+
+
 # mlx dtype name -> how its bytes are stored (numpy has no bfloat16: its bits travel as uint16).
 STORAGE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "uint32": "<u4", "int32": "<i4",
            "uint16": "<u2", "uint8": "|u1", "int8": "|i1"}
@@ -120,16 +141,27 @@ class Block:
         return self.start + len(self.tokens)
 
 
+Signature = tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]  # per entry: ((dtype tag, shape), ...)
+
+
 @dataclass(frozen=True)
 class Expect:
-    """What the reader asked for; a block that disagrees on any of it is refused."""
+    """What the reader asked for; a block that disagrees on any of it is refused.
+
+    Checksums prove the bytes are the ones written; these fields prove they are
+    what this model needs at this place of this chain: a well-formed block made
+    by a buggy or foreign writer is refused as surely as a damaged one."""
 
     namespace: bytes
     id: bytes
     kind: str
     layout: list
     block_tokens: int
-    parent: Optional[bytes] = None
+    parent: bytes
+    start: int
+    dtype: str
+    codec: list
+    arrays: Signature
 
 
 def _pad(n: int) -> int:
@@ -182,7 +214,27 @@ def decode(buf, expect: Expect) -> Block:
     if xxhash.xxh3_128_digest(payload) != h["sum"]:
         raise CorruptPayload("payload checksum mismatch")
     block.entries = _arrays(h["arrays"], payload, len(block.layout))
+    _check_arrays(block.entries, expect.arrays)
     return block
+
+
+def signature(entries: list[list[Tagged]]) -> Signature:
+    """The (dtype tag, shape) of every array, entry by entry."""
+    return tuple(tuple((tag, tuple(int(d) for d in a.shape)) for tag, a in arrays) for arrays in entries)
+
+
+def _check_arrays(entries: list[list[Tagged]], expected: Signature) -> None:
+    got = signature(entries)
+    if len(got) != len(expected):
+        raise BadShape(f"{len(got)} cache entries, the layout has {len(expected)}")
+    for i, (have, want) in enumerate(zip(got, expected)):
+        if len(have) != len(want):
+            raise BadShape(f"entry {i} holds {len(have)} arrays, its layer spec needs {len(want)}")
+        for (tag, shape), (want_tag, want_shape) in zip(have, want):
+            if tag != want_tag:
+                raise BadDtype(f"entry {i} has a {tag} array, its layer spec needs {want_tag}")
+            if shape != want_shape:
+                raise BadShape(f"entry {i} has an array of shape {list(shape)}, its layer spec needs {list(want_shape)}")
 
 
 def _read_header(view: memoryview, whole: bool) -> tuple[dict, int]:
@@ -228,8 +280,14 @@ def _check_header(h: dict, expect: Expect) -> Block:
         raise CorruptHeader("id does not hash from the header's parent and tokens")
     if block.layout != expect.layout:
         raise LayoutMismatch(f"layout {block.layout} differs from the model's {expect.layout}")
-    if expect.parent is not None and parent != expect.parent:
+    if parent != expect.parent:
         raise ChainBroken("parent is not the previous block of the chain")
+    if block.start != expect.start:
+        raise BadStart(f"block starts at token {block.start}, it is asked for at {expect.start}")
+    if block.dtype != expect.dtype:
+        raise BadDtype(f"block holds {block.dtype} KV, the model computes in {expect.dtype}")
+    if block.codec != expect.codec:
+        raise BadCodec(f"block codec {block.codec} differs from the model's {expect.codec}")
     return block
 
 

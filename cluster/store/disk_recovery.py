@@ -3,7 +3,8 @@
 - temp files (a write that never reached its rename) are deleted;
 - every block file's header is read and checked (framing, header checksum,
   namespace = its directory, key = its file name, size = what the header
-  promises); a file that fails goes to quarantine with the reason;
+  promises); a file whose content fails goes to quarantine with the reason,
+  one that cannot be read right now (EMFILE, EIO) is skipped and left alone;
 - good blocks enter the index with their last access = the file's mtime
   (reads touch it), so LRU order survives restarts.
 Payload checksums are not read here (that would read the whole tier); every
@@ -17,17 +18,17 @@ import time
 from pathlib import Path
 
 from cluster.store import block_format
+from cluster.store.block_files import key_of, read_header
 from cluster.store.block_format import BlockError
 from cluster.store.disk_index import Entry
 
 log = logging.getLogger(__name__)
 
-_PREFIX = 4096  # enough for the preamble and a typical header in one read
-
 
 def recover(store) -> dict:
+    """Fill `store.index` (a DiskStore's) from its files; quarantine what fails. Returns a report."""
     t0 = time.perf_counter()
-    report = {"blocks": 0, "bytes": 0, "quarantined": 0, "temp_removed": 0, "seconds": 0.0}
+    report = {"blocks": 0, "bytes": 0, "quarantined": 0, "skipped": 0, "temp_removed": 0, "seconds": 0.0}
     for ns_dir in sorted(p for p in store.root.iterdir() if p.is_dir()):
         for shard in sorted(p for p in ns_dir.iterdir() if p.is_dir()):
             for f in shard.iterdir():
@@ -52,19 +53,20 @@ def _recover_file(store, ns_hex: str, f: Path, report: dict) -> None:
         return  # not ours
     try:
         st = f.stat()
-        header = _read_header(f)
+        header = read_header(f)
         if header.total_len != st.st_size:
             raise block_format.Truncated(f"file has {st.st_size} bytes, header promises {header.total_len}")
         if header.namespace != ns:
             raise block_format.ForeignNamespace("block is filed under another namespace")
-        from cluster.store.disk_tier import key_of
-
         if key_of(header) != key:
             raise block_format.WrongBlock("file name is not the block's key")
-    except (BlockError, OSError) as e:
-        reason = e.reason if isinstance(e, BlockError) else "io"
-        store.quarantine(ns, key, reason, f"at recovery: {e}", path=f)
+    except BlockError as e:
+        store.quarantine(ns, key, e.reason, f"at recovery: {e}", path=f)
         report["quarantined"] += 1
+        return
+    except OSError as e:  # unreadable now (EMFILE, EIO, ...) is not bad content: skip it, keep the file
+        log.warning("skipping block file %s at recovery: %s", f, e)
+        report["skipped"] += 1
         return
     store.index.add(Entry(key=key, ns=ns, kind=header.kind,
                           parent=header.parent if header.kind == "kv" else header.id,
@@ -72,11 +74,3 @@ def _recover_file(store, ns_hex: str, f: Path, report: dict) -> None:
     report["blocks"] += 1
     report["bytes"] += st.st_size
 
-
-def _read_header(f: Path) -> block_format.Header:
-    with open(f, "rb") as fh:
-        prefix = fh.read(_PREFIX)
-        need = block_format.header_size(prefix)
-        if need > len(prefix):
-            prefix += fh.read(need - len(prefix))
-    return block_format.peek(prefix)

@@ -4,20 +4,25 @@ Layout under the node's data dir:
 
     blocks/<namespace hex>/<first key byte hex>/<key hex>.blk     published blocks
     blocks/<namespace hex>/<xx>/.<key hex>.<pid>.<n>.tmp            being written
-    quarantine/<reason>/<namespace hex:16>-<key hex>.blk            refused blocks
-    quarantine/log.jsonl                                            why, one line each
+    quarantine/...                                                  refused blocks (see quarantine.py)
 
 Publish protocol (a reader can never see a partial block):
-    write to a temp name in the final directory -> fsync the file -> rename to the
-    final name -> fsync the directory. A crash leaves at most a temp file, which
-    recovery deletes. Blocks are content-named, so writing one twice is a no-op.
+    write to a temp name in the final directory -> durable sync of the file
+    (fsync; F_FULLFSYNC on macOS) -> rename to the final name -> durable sync
+    of the directory. A crash leaves at most a temp file, which recovery
+    deletes. Blocks are content-named, so writing one twice is a no-op.
 
 Reads are verified (framing, checksums, namespace, and that the block is the one
-stored under its key); a bad block is moved to quarantine/ with its reason,
-counted, and reported as a miss. Blocks being read are pinned and never evicted
-under the reader. Eviction order: see DiskIndex. The budget is never exceeded by
-more than one block: room is made before a write, and a write that cannot get
-room (everything else pinned) is allowed only while the tier is within budget.
+stored under its key). A block with bad content is moved to quarantine with its
+reason, counted, and reported as a miss; a transient error (ENOENT, EMFILE,
+EAGAIN, ...) is only a miss and a log line. Blocks being read are pinned and
+never evicted under the reader. Eviction order: see DiskIndex. The budget covers
+the blocks and the quarantine together, and is never exceeded by more than one
+block: room is made before a write, and a write that cannot get room
+(everything else pinned) is allowed only while the tier is within budget.
+
+Every block stored or evicted is an event in `events` (see events.py), which the
+replicas' views of this disk and the fleet index follow.
 
 Disk full or I/O errors: the write is dropped and counted, the tier goes
 `degraded` (shown in status and logged once), writes are retried after a
@@ -27,13 +32,10 @@ stops because of the disk.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import threading
 import time
-from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import Callable, Optional
@@ -41,59 +43,20 @@ from typing import Callable, Optional
 import numpy as np
 
 from cluster.store import block_format
-from cluster.store.block_format import BlockError, Header
+from cluster.store.block_files import ReadFailure, durable_sync, key_of, read_verified, sync_dir
+from cluster.store.block_format import REASONS, BlockError
 from cluster.store.disk_index import DiskIndex, Entry
-from cluster.store.hashing import state_key
+from cluster.store.disk_recovery import recover
+from cluster.store.events import BlockEvent, EventLog
+from cluster.store.quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5.0
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """What the index (and tests) learn from a tier: a block arrived or left."""
-
-    event: str  # "stored" | "evicted"
-    tier: str  # "ram" | "disk"
-    namespace: bytes
-    key: bytes
-    parent: bytes
-    tokens: int
-    nbytes: int
-
+QUARANTINE_SHARE = 0.05  # of the budget, at most QUARANTINE_CAP
+QUARANTINE_CAP = 1 << 30
 
 Listener = Callable[[BlockEvent], None]
-
-
-def key_of(header: Header) -> bytes:
-    """The storage key of a block: its id, or for a checkpoint the state key of its block."""
-    return header.id if header.kind == "kv" else state_key(header.id)
-
-
-def read_file(path: Path, size: Optional[int] = None) -> np.ndarray:
-    """Read a whole file into a fresh uint8 array: one copy from the page cache."""
-    with open(path, "rb", buffering=0) as f:
-        n = size if size is not None else os.fstat(f.fileno()).st_size
-        buf = np.empty(n, dtype=np.uint8)
-        got = f.readinto(memoryview(buf))
-        if got != n:
-            return buf[:got]
-        return buf
-
-
-def read_verified(loc: Optional[tuple[str, int]], ns: bytes, key: bytes
-                  ) -> tuple[Optional[np.ndarray], Optional[tuple[bytes, str, str]]]:
-    """Read a located block file and verify it: (data, None), (None, (key, reason, detail)) for a bad
-    block, or (None, None) for a miss (loc is None). Shared by the store and by replicas' direct reads."""
-    if loc is None:
-        return None, None
-    try:
-        data = read_file(Path(loc[0]), loc[1])
-        block_format.verify(data, ns, key, key_of)
-        return data, None
-    except (BlockError, OSError) as e:
-        return None, (key, getattr(e, "reason", "io"), str(e))
 
 
 def default_budget(root: Path, fraction: float = 0.5, cap: int = 100 << 30) -> int:
@@ -105,12 +68,14 @@ def default_budget(root: Path, fraction: float = 0.5, cap: int = 100 << 30) -> i
 
 class DiskStore:
     def __init__(self, node_dir: Path, budget: Optional[int] = None, listener: Optional[Listener] = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, events_kept: int = 100_000):
         self.root = Path(node_dir) / "blocks"
-        self.quarantine_dir = Path(node_dir) / "quarantine"
         self.root.mkdir(parents=True, exist_ok=True)
         self.budget = budget if budget is not None else default_budget(self.root)
+        self.quarantine_bin = Quarantine(Path(node_dir) / "quarantine",
+                                         min(int(self.budget * QUARANTINE_SHARE), QUARANTINE_CAP))
         self.index = DiskIndex()
+        self.events = EventLog(events_kept)
         self.listener = listener
         self.clock = clock
         self.write_lock = threading.Lock()
@@ -118,15 +83,18 @@ class DiskStore:
         self._retry_at = 0.0
         self._tmp_seq = count()
         self.counters = {"written": 0, "deduped": 0, "write_errors": 0, "dropped_spills": 0, "evictions": 0,
-                         "hits": 0, "misses": 0, "bytes_written": 0, "bytes_read": 0,
-                         "quarantined": {r: 0 for r in _REASONS}}
-        from cluster.store.disk_recovery import recover
-
+                         "hits": 0, "misses": 0, "read_errors": 0, "bytes_written": 0, "bytes_read": 0,
+                         "touched": 0, "quarantined": {r: 0 for r in REASONS}}
         self.recovery = recover(self)
 
     # -- paths -----------------------------------------------------------------
     def path(self, ns: bytes, key: bytes) -> Path:
         return self.root / ns.hex() / key.hex()[:2] / f"{key.hex()}.blk"
+
+    @property
+    def used(self) -> int:
+        """Bytes counted against the budget: blocks plus quarantine."""
+        return self.index.bytes + self.quarantine_bin.bytes
 
     # -- writes ------------------------------------------------------------------
     def write_many(self, items: list[tuple[bytes, bytes, object]]) -> dict[str, int]:
@@ -137,7 +105,7 @@ class DiskStore:
             for ns, key, data in items:
                 out[self._write_one(ns, key, memoryview(data), dirs)] += 1
             for d in dirs:
-                _fsync_dir(d)
+                sync_dir(d)
         return out
 
     def _write_one(self, ns: bytes, key: bytes, data: memoryview, dirs: set) -> str:
@@ -181,7 +149,7 @@ class DiskStore:
             view = data
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            durable_sync(fd)
             os.close(fd)
             fd = -1
             os.rename(tmp, final)
@@ -192,12 +160,13 @@ class DiskStore:
             raise
 
     def _make_room(self, incoming: int) -> bool:
-        for victim in self.index.evict(self.budget, incoming):
+        room = self.budget - self.quarantine_bin.bytes
+        for victim in self.index.evict(room, incoming):
             self._delete(victim)
             self.counters["evictions"] += 1
             self._emit("evicted", victim)
         # Within budget, or over it by at most this one block when everything else is pinned.
-        return self.index.bytes + incoming <= self.budget or self.index.bytes <= self.budget
+        return self.index.bytes + incoming <= room or self.index.bytes <= room
 
     def _delete(self, e: Entry) -> None:
         try:
@@ -220,9 +189,26 @@ class DiskStore:
             log.warning("disk tier %s writable again, spilling resumed", self.root)
             self.degraded = None
 
-    # -- lookups and reads ---------------------------------------------------------
-    def contains(self, ns: bytes, keys: list[bytes]) -> list[bool]:
-        return [k in self.index for k in keys]
+    # -- lookups, uses and reads ---------------------------------------------------------
+    def present(self, ns: bytes, keys: list[bytes]) -> list[bool]:
+        return [(e := self.index.get(k)) is not None and e.ns == ns for k in keys]
+
+    def keys(self, ns: bytes) -> list[bytes]:
+        """Every key held for `ns` (a consumer's resync after an event gap)."""
+        return self.index.keys(ns)
+
+    def touch(self, ns: bytes, keys: list[bytes]) -> int:
+        """Count a use of blocks some replica served from its RAM: they stay hot on disk too.
+
+        The file's mtime moves with it, so the order survives a restart."""
+        now, n = self.clock(), 0
+        for k in keys:
+            e = self.index.get(k)
+            if e is not None and e.ns == ns and self.index.touch(k, now):
+                _utime(self.path(ns, k), now)
+                n += 1
+        self.counters["touched"] += n
+        return n
 
     def open_read(self, ns: bytes, keys: list[bytes]) -> list[Optional[tuple[str, int]]]:
         """Pin the present keys; return (path, size) for each, None for a miss."""
@@ -238,53 +224,53 @@ class DiskStore:
                     self.counters["misses"] += 1
         return out
 
-    def close_read(self, ns: bytes, pinned: list[bytes], good: list[bytes],
-                   bad: list[tuple[bytes, str, str]]) -> None:
-        """Release pins; good reads count as a use, bad ones go to quarantine."""
+    def close_read(self, ns: bytes, pinned: list[bytes], good: list[bytes], failed: list[ReadFailure]) -> None:
+        """Release pins; good reads count as a use, bad content goes to quarantine, the rest is a miss."""
         now = self.clock()
         for k in good:
-            self.index.touch(k, now)
             e = self.index.get(k)
-            if e is not None:
+            if e is not None and self.index.touch(k, now):
                 self.counters["bytes_read"] += e.size
                 _utime(self.path(ns, k), now)
         for k in pinned:
             self.index.unpin(k)
-        for k, reason, detail in bad:
-            self.quarantine(ns, k, reason, detail)
+        for f in failed:
+            self.counters["read_errors"] += 1
+            if f.bad_content:
+                self.quarantine(ns, f.key, f.reason, f.detail)
+            else:
+                self._transient(ns, f)
+
+    def _transient(self, ns: bytes, f: ReadFailure) -> None:
+        log.warning("reading block %s failed (%s), treated as a miss: %s", f.key.hex()[:16], f.reason, f.detail)
+        if f.gone and f.key in self.index and not self.path(ns, f.key).exists():
+            e = self.index.remove(f.key)  # the file went behind our back: the index follows the files
+            if e is not None:
+                self._emit("evicted", e)
 
     def read_many(self, ns: bytes, keys: list[bytes]) -> list[Optional[np.ndarray]]:
         """Read and verify blocks in one pass (in key order); misses and bad blocks are None."""
         located = self.open_read(ns, keys)
         pinned = [k for k, loc in zip(keys, located) if loc]
-        good, bad, out = [], [], []
+        good, failed, out = [], [], []
         try:
             for k, loc in zip(keys, located):
-                data, error = read_verified(loc, ns, k)
-                if error is not None:
-                    bad.append(error)
+                data, failure = read_verified(loc, ns, k)
+                if failure is not None:
+                    failed.append(failure)
                 elif data is not None:
                     good.append(k)
                 out.append(data)
         finally:
-            self.close_read(ns, pinned, good, bad)
+            self.close_read(ns, pinned, good, failed)
         return out
 
     # -- quarantine -----------------------------------------------------------------
     def quarantine(self, ns: bytes, key: bytes, reason: str, detail: str, path: Optional[Path] = None) -> None:
-        src = path or self.path(ns, key)
+        """Move a block with bad content out of the tier, as evidence; it is a miss from now on."""
         e = self.index.remove(key)
-        reason = reason if reason in _REASONS else "corrupt"
-        dst_dir = self.quarantine_dir / reason
-        dst_dir.mkdir(parents=True, exist_ok=True)
-        dst = dst_dir / f"{ns.hex()[:16]}-{src.name}"
-        try:
-            shutil.move(str(src), dst)
-        except FileNotFoundError:
-            pass
-        with open(self.quarantine_dir / "log.jsonl", "a") as f:
-            f.write(json.dumps({"time": self.clock(), "key": key.hex(), "namespace": ns.hex(), "reason": reason,
-                                "detail": detail, "file": str(dst)}) + "\n")
+        reason = reason if reason in REASONS else "corrupt"
+        self.quarantine_bin.add(path or self.path(ns, key), ns, key, reason, detail, self.clock())
         self.counters["quarantined"][reason] += 1
         log.warning("quarantined block %s (%s): %s", key.hex()[:16], reason, detail)
         if e is not None:
@@ -293,23 +279,14 @@ class DiskStore:
     # -- status ---------------------------------------------------------------------
     def stats(self) -> dict:
         return {"blocks": len(self.index), "bytes": self.index.bytes, "budget": self.budget,
-                "degraded": self.degraded, "recovery": self.recovery,
+                "degraded": self.degraded, "recovery": self.recovery, "quarantine": self.quarantine_bin.stats(),
                 **{k: (dict(v) if isinstance(v, dict) else v) for k, v in self.counters.items()}}
 
     def _emit(self, event: str, e: Entry) -> None:
+        ev = BlockEvent(event, "disk", e.ns, e.key, e.parent, e.tokens, e.size)
+        self.events.append(ev)
         if self.listener is not None:
-            self.listener(BlockEvent(event, "disk", e.ns, e.key, e.parent, e.tokens, e.size))
-
-
-_REASONS = sorted({cls.reason for cls in (BlockError, *BlockError.__subclasses__())} | {"io"})
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            self.listener(ev)
 
 
 def _utime(path: Path, t: float) -> None:

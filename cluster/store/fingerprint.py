@@ -10,11 +10,15 @@ map to them:
 | weights: BLAKE3 of every *.safetensors | same name, different weights = different KV; cached next to the model |
 | tokenizer files + chat template | same text, different ids = different chain |
 | compute dtype | f32 vs bf16 KV are different bytes |
-| kv codec, bits, group size | native vs quantized K/V |
+| kv codec: name, version, bits, group | native vs quantized K/V; a new codec version never reads old blocks |
 | block size | a block's id covers exactly B tokens |
 | block format version | readers refuse other versions anyway; keeps namespaces apart |
 | mlx and mlx-lm versions | kernels and cache code change numerics |
 | backend (cpu / gpu + GPU architecture) | Metal and CPU, and GPU generations, differ in rounding |
+
+The backend comes from `mx.device_info()`. A GPU whose architecture cannot be
+read is named by the machine's chip (sysctl) or, failing that, by its host
+name: never a shared placeholder that would let GPU generations mix.
 
 A mismatch anywhere gives a different namespace, which can only miss.
 Deliberately not included: the model's path or repo name (a copy of the same
@@ -112,26 +116,42 @@ def tokenizer_digest(model_dir: Path, chat_template: str | None) -> str:
 
 
 def backend() -> str:
+    """"cpu", or "gpu:<architecture>" (e.g. gpu:applegpu_g15s). Only verifiable on a Mac."""
     import mlx.core as mx
 
-    if mx.default_device().type == mx.DeviceType.gpu:
-        try:
-            arch = mx.metal.device_info().get("architecture", "?")
-        except Exception:  # no Metal info on this build
-            arch = "?"
-        return f"gpu:{arch}"
-    return "cpu"
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "cpu"
+    try:
+        arch = mx.device_info().get("architecture")
+    except Exception as e:  # an older or unusual build: fall through to the chip's name
+        log.warning("mx.device_info() failed (%s); naming the GPU by the machine's chip", e)
+        arch = None
+    return f"gpu:{arch or _chip_name()}"
 
 
-def compute_fingerprint(model_dir: Path, *, dtype: str, kv_codec: str, kv_bits: int | None, kv_group: int | None,
-                        block_tokens: int, chat_template: str | None, cache_dir: Path | None = None) -> Fingerprint:
+def _chip_name() -> str:
+    import platform
+    import subprocess
+
+    try:
+        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"unidentified@{platform.node()}"  # shares blocks with this machine only
+
+
+def compute_fingerprint(model_dir: Path, *, dtype: str, codec: list, block_tokens: int, chat_template: str | None,
+                        cache_dir: Path | None = None) -> Fingerprint:
     config = json.loads((model_dir / "config.json").read_text())
     parts = {
         "config": blake3(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest(),
         "weights": weights_digest(model_dir, cache_dir),
         "tokenizer": tokenizer_digest(model_dir, chat_template),
         "dtype": dtype,
-        "kv_codec": [kv_codec, kv_bits, kv_group],
+        "kv_codec": list(codec),
         "block_tokens": block_tokens,
         "block_format": BLOCK_FORMAT_VERSION,
         "mlx": metadata.version("mlx"),

@@ -1,9 +1,9 @@
 """Replica leases in Redis: which replica of which model is alive on which node.
 
-Key schema (one key per replica, msgpack value, expires unless renewed):
+Key schema (store/keys.py; one key per replica, msgpack value, expires unless renewed):
 
-    mlxf:lease:<model>:<node_id>  ->  {node_id, model, pid, started, renewed, stats...}
-                                      EX lease_ttl_s, renewed every ttl/3
+    mlxf:lease:<model>:<node_id>  ->  {node_id, node_name, model, pid, started, renewed, stats...}
+                                      PX lease_ttl_s, renewed every ttl/3
 
 A replica that dies stops renewing and its key expires; one that shuts down
 cleanly deletes it. Readers never trust a key older than the TTL because Redis
@@ -19,13 +19,9 @@ from typing import Callable, Optional
 import msgpack
 import redis
 
+from cluster.store.keys import lease_key, lease_pattern
+
 log = logging.getLogger(__name__)
-
-PREFIX = "mlxf:lease:"
-
-
-def lease_key(model: str, node_id: str) -> str:
-    return f"{PREFIX}{model}:{node_id}"
 
 
 def connect(url: str, timeout_s: float = 2.0) -> redis.Redis:
@@ -68,8 +64,7 @@ class LeaseWriter:
 
 def read_leases(client: redis.Redis, model: Optional[str] = None) -> list[dict]:
     """All live leases (of one model if given), sorted by model then node."""
-    pattern = f"{PREFIX}{model}:*" if model else f"{PREFIX}*"
-    keys = sorted(client.scan_iter(match=pattern, count=1000))
+    keys = sorted(client.scan_iter(match=lease_pattern(model), count=1000))
     if not keys:
         return []
     out = []

@@ -1,17 +1,18 @@
 """The replica's RAM tier: encoded blocks in an LRU bounded by bytes.
 
-Store contract (shared by every tier and the index): get / put / exists, plus
-`prefix_hits(keys)` = how many of `keys`, from the first, are all present.
+It implements the store contract (store/contract.py). Blocks are kept encoded
+(the same bytes as on disk or on the wire): the budget counts real bytes, and
+every read goes through the same verified decode path whatever tier it came
+from.
 
-Blocks are kept encoded (the same bytes as on disk or on the wire): the budget
-counts real bytes, and every read goes through the same verified decode path
-whatever tier it came from.
+Eviction order: least recently used first, where get_many() and put() both
+count as a use; present() does not (a lookup that is not followed by a restore
+must not keep a block alive). The budget is never exceeded: a put that does not
+fit evicts until it does, and a block larger than the whole budget is refused.
 
-Eviction order: least recently used first, where get() and put() both count
-as a use; exists()/prefix_hits() do not (a lookup that is not followed by a
-restore must not keep a block alive). The budget is never exceeded: a put that
-does not fit evicts until it does, and a block larger than the whole budget
-is refused.
+Listener events: `stored`, `evicted` (the LRU pushed it out: its bytes come
+along so the owner may spill them) and `discarded` (refused as bad: never to be
+spilled anywhere).
 """
 
 from __future__ import annotations
@@ -30,34 +31,25 @@ class RamTier:
         self._bytes = 0
         self._lock = threading.Lock()
         self._listener = listener
-        self.hits = self.misses = self.evictions = self.rejected = 0
+        self.hits = self.misses = self.evictions = self.rejected = self.discarded = 0
 
-    def get(self, key: bytes) -> Optional[bytes]:
-        with self._lock:
-            data = self._blocks.get(key)
-            if data is None:
-                self.misses += 1
-                return None
-            self._blocks.move_to_end(key)
-            self.hits += 1
-            return data
-
-    def exists(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._blocks
-
+    # -- the store contract ------------------------------------------------------------
     def present(self, keys: Iterable[bytes]) -> list[bool]:
         with self._lock:
             return [k in self._blocks for k in keys]
 
-    def prefix_hits(self, keys: Iterable[bytes]) -> int:
-        n = 0
+    def get_many(self, keys: Iterable[bytes]) -> list[Optional[bytes]]:
+        out = []
         with self._lock:
             for key in keys:
-                if key not in self._blocks:
-                    break
-                n += 1
-        return n
+                data = self._blocks.get(key)
+                if data is None:
+                    self.misses += 1
+                else:
+                    self._blocks.move_to_end(key)
+                    self.hits += 1
+                out.append(data)
+        return out
 
     def put(self, key: bytes, data: bytes) -> bool:
         evicted = []
@@ -80,24 +72,31 @@ class RamTier:
             self._emit("evicted", old, old_data)  # with its bytes: a listener may spill them
         return True
 
-    def remove(self, key: bytes) -> bool:
+    def discard(self, key: bytes, reason: str = "") -> bool:
+        """Drop a block refused as bad; it is never spilled. False if it was not here."""
         with self._lock:
             data = self._blocks.pop(key, None)
             if data is None:
                 return False
             self._bytes -= len(data)
-        self._emit("evicted", key, data)
+            self.discarded += 1
+        self._emit("discarded", key, data)
         return True
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"blocks": len(self._blocks), "bytes": self._bytes, "budget": self.budget, "hits": self.hits,
+                    "misses": self.misses, "evictions": self.evictions, "rejected": self.rejected,
+                    "discarded": self.discarded}
+
+    # -- inspection --------------------------------------------------------------------
+    def get(self, key: bytes) -> Optional[bytes]:
+        return self.get_many([key])[0]
 
     def keys(self) -> list[bytes]:
         """Keys from least to most recently used."""
         with self._lock:
             return list(self._blocks)
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {"blocks": len(self._blocks), "bytes": self._bytes, "budget": self.budget, "hits": self.hits,
-                    "misses": self.misses, "evictions": self.evictions, "rejected": self.rejected}
 
     def _emit(self, event: str, key: bytes, data) -> None:
         if self._listener is not None:

@@ -24,7 +24,7 @@ def chain(n_blocks: int, salt: int = 0, ns: bytes = NS, payload: int = 4096) -> 
         arr = np.full(payload // 4, j + salt, dtype=np.float32)
         blk = bf.Block(kind="kv", namespace=ns, id=bid, parent=ids[j - 1] if j else ns, start=j * B,
                        tokens=np.asarray(tokens[j * B:(j + 1) * B], dtype="<u4"), layout=[["full"]],
-                       dtype="float32", codec=["native", 1, 64], entries=[[("float32", arr)]])
+                       dtype="float32", codec=["native", 1, None, None], entries=[[("float32", arr)]])
         out.append((ns, bid, bytes(bf.encode(blk))))
     return out
 
@@ -35,5 +35,5 @@ def checkpoint(blocks: list[tuple[bytes, bytes, bytes]], j: int, salt: int = 0) 
     tokens = tokens_of(j + 1, salt)[j * B:]
     blk = bf.Block(kind="state", namespace=ns, id=bid, parent=blocks[j - 1][1] if j else ns, start=j * B,
                    tokens=np.asarray(tokens, dtype="<u4"), layout=[["full"]], dtype="float32",
-                   codec=["native", 1, 64], entries=[[("float32", np.zeros(8, np.float32))]])
+                   codec=["native", 1, None, None], entries=[[("float32", np.zeros(8, np.float32))]])
     return ns, state_key(bid), bytes(bf.encode(blk))

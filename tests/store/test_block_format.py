@@ -1,5 +1,6 @@
 """The block envelope: exact round trips, and every kind of damage refused with a typed error."""
 
+import dataclasses
 import struct
 
 import msgpack
@@ -36,19 +37,25 @@ def arrays(seed=0):
 
 def make(**over) -> bf.Block:
     fields = dict(kind="kv", namespace=NS, id=BID, parent=PARENT, start=3 * B, tokens=TOKENS, layout=LAYOUT,
-                  dtype="float32", codec=["native", 1, 64], entries=arrays())
+                  dtype="float32", codec=CODEC, entries=arrays())
     fields.update(over)
     return bf.Block(**fields)
 
 
-EXPECT = bf.Expect(namespace=NS, id=BID, kind="kv", layout=LAYOUT, block_tokens=B, parent=PARENT)
+CODEC = ["native", 1, None, None]
+EXPECT = bf.Expect(namespace=NS, id=BID, kind="kv", layout=LAYOUT, block_tokens=B, parent=PARENT, start=3 * B,
+                   dtype="float32", codec=CODEC, arrays=bf.signature(arrays()))
+
+
+def expect(**over) -> bf.Expect:
+    return dataclasses.replace(EXPECT, **over)
 
 
 def test_round_trip_every_layer_kind_and_dtype():
     data = bf.encode(make())
     out = bf.decode(data, EXPECT)
     assert (out.kind, out.namespace, out.id, out.parent, out.start, out.end) == ("kv", NS, BID, PARENT, 3 * B, 4 * B)
-    assert out.tokens.tolist() == TOKENS.tolist() and out.layout == LAYOUT and out.codec == ["native", 1, 64]
+    assert out.tokens.tolist() == TOKENS.tolist() and out.layout == LAYOUT and out.codec == CODEC
     for got, want in zip(out.entries, arrays()):
         assert [t for t, _ in got] == [t for t, _ in want]
         for (_, g), (_, w) in zip(got, want):
@@ -68,7 +75,7 @@ def test_arrays_are_aligned_views_into_the_buffer():
 def test_state_entry_round_trip():
     state = [[], [], [("float32", np.ones((1, 3, 4), np.float32)), ("float32", np.zeros((1, 2, 4, 4), np.float32))], []]
     data = bf.encode(make(kind="state", entries=state))
-    out = bf.decode(data, bf.Expect(NS, BID, "state", LAYOUT, B, PARENT))
+    out = bf.decode(data, expect(kind="state", arrays=bf.signature(state)))
     assert out.entries[2][0][1].shape == (1, 3, 4)
 
 
@@ -143,6 +150,10 @@ def reencode_header(**changes) -> bytes:
     ({"tokens": TOKENS[:-1].tobytes()}, bf.BadTokenCount),
     ({"tokens": (TOKENS + 1).tobytes()}, bf.CorruptHeader),
     ({"start": 3 * B + 1}, bf.BadTokenCount),
+    ({"start": 4 * B}, bf.BadStart),
+    ({"dtype": "bfloat16"}, bf.BadDtype),
+    ({"codec": ["native", 2, None, None]}, bf.BadCodec),
+    ({"codec": ["q8", 1, 8, 64]}, bf.BadCodec),
     ({"layout": LAYOUT[:-1]}, bf.LayoutMismatch),
     ({"layout": [["full"], ["sliding", 16], ["recurrent", 2], ["quantized", 8, 64]]}, bf.LayoutMismatch),
     ({"sum": b"0" * 16}, bf.CorruptPayload),
@@ -174,12 +185,42 @@ def test_missing_header_field():
 
 def test_mismatched_parent_in_a_chain():
     with pytest.raises(bf.ChainBroken):
-        bf.decode(GOOD, bf.Expect(NS, BID, "kv", LAYOUT, B, parent=b"Z" * 32))
+        bf.decode(GOOD, expect(parent=b"Z" * 32))
 
 
 def test_wrong_block_size_expected():
     with pytest.raises(bf.BadTokenCount):
-        bf.decode(GOOD, bf.Expect(NS, BID, "kv", LAYOUT, 2 * B, PARENT))
+        bf.decode(GOOD, expect(block_tokens=2 * B))
+
+
+def payload_with(entry: int, index: int, tag: str, a: np.ndarray) -> bytes:
+    """A block whose every checksum, id and parent is right, but one array is not what the layout needs."""
+    entries = arrays()
+    entries[entry][index] = (tag, a)
+    return bytes(bf.encode(make(entries=entries)))
+
+
+@pytest.mark.parametrize("entry,index,tag,shape,err", [
+    (0, 1, "float32", (1, 2, B // 2, 4), bf.BadShape),  # half the token rows of a full layer
+    (0, 0, "float32", (1, 1, B, 4), bf.BadShape),  # a head missing
+    (1, 0, "bfloat16", (1, 1, 9, 4), bf.BadShape),  # a sliding tail one row too long
+    (0, 0, "float16", (1, 2, B, 4), bf.BadDtype),  # right shape, wrong dtype
+])
+def test_payload_is_checked_against_the_layout(entry, index, tag, shape, err):
+    a = np.zeros(shape, dtype=bf.STORAGE[tag])
+    with pytest.raises(err):
+        bf.decode(payload_with(entry, index, tag, a), EXPECT)
+
+
+def test_payload_with_an_array_too_many_or_too_few_is_refused():
+    extra = arrays()
+    extra[2].append(("float32", np.zeros((1, 3, 4), np.float32)))  # a recurrent layer holds nothing in a KV block
+    with pytest.raises(bf.BadShape):
+        bf.decode(bytes(bf.encode(make(entries=extra))), EXPECT)
+    short = arrays()
+    short[3].pop()
+    with pytest.raises(bf.BadShape):
+        bf.decode(bytes(bf.encode(make(entries=short))), EXPECT)
 
 
 @settings(max_examples=300, deadline=None)

@@ -3,9 +3,12 @@ import shutil
 
 import pytest
 
+from cluster.families import codecs
+from cluster.families.codecs import codec_descriptor
+from cluster.store import fingerprint
 from cluster.store.fingerprint import WEIGHTS_CACHE, compute_fingerprint, weights_digest
 
-BASE = dict(dtype="float32", kv_codec="native", kv_bits=None, kv_group=None, block_tokens=64, chat_template="T")
+BASE = dict(dtype="float32", codec=codec_descriptor("native", 64), block_tokens=64, chat_template="T")
 
 
 @pytest.fixture
@@ -31,7 +34,7 @@ def test_stable_and_path_independent(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("over", [
-    {"dtype": "bfloat16"}, {"kv_codec": "q8", "kv_bits": 8, "kv_group": 64}, {"block_tokens": 32},
+    {"dtype": "bfloat16"}, {"codec": codec_descriptor("q8", 64)}, {"block_tokens": 32},
     {"chat_template": "other"},
 ])
 def test_every_setting_changes_the_namespace(model_dir, over):
@@ -68,12 +71,35 @@ def test_weight_hash_is_memoised_next_to_the_model(model_dir):
     assert weights_digest(model_dir) != digest
 
 
-def test_read_only_model_dir_memoises_under_the_data_dir(model_dir, tmp_path):
-    model_dir.chmod(0o555)
-    try:
-        cache_dir = tmp_path / "fp-cache"
-        weights_digest(model_dir, cache_dir)
-        if not (model_dir / WEIGHTS_CACHE).exists():  # root may still write: then the model dir is used
-            assert list(cache_dir.glob("weights-*.json"))
-    finally:
-        model_dir.chmod(0o755)
+def test_unwritable_model_dir_memoises_under_the_data_dir(model_dir, tmp_path):
+    digest = weights_digest(model_dir)
+    (model_dir / WEIGHTS_CACHE).unlink()
+    (model_dir / WEIGHTS_CACHE).mkdir()  # the memo cannot be written there, even by root
+    cache_dir = tmp_path / "fp-cache"
+    assert weights_digest(model_dir, cache_dir) == digest
+    memos = list(cache_dir.glob("weights-*.json"))
+    assert len(memos) == 1 and next(iter(json.loads(memos[0].read_text()))).startswith("model.safetensors:")
+
+
+def test_the_codec_version_is_part_of_the_namespace(model_dir, monkeypatch):
+    before = ns(model_dir)
+    assert compute_fingerprint(model_dir, **BASE).parts["kv_codec"] == ["native", 1, None, None]
+    monkeypatch.setitem(codecs.CODEC_VERSIONS, "native", 2)  # the codec changed: old blocks must not be read
+    assert ns(model_dir, codec=codec_descriptor("native", 64)) != before
+
+
+def test_a_gpu_that_cannot_be_identified_never_shares_a_placeholder_namespace(monkeypatch):
+    import mlx.core as mx
+
+    class Gpu:
+        type = mx.DeviceType.gpu
+
+    def broken():
+        raise RuntimeError("no device info on this build")
+
+    monkeypatch.setattr(mx, "default_device", lambda: Gpu())
+    monkeypatch.setattr(mx, "device_info", broken)
+    name = fingerprint.backend()
+    assert name.startswith("gpu:") and name not in ("gpu:?", "gpu:", "gpu:None")
+    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "applegpu_g15s"})
+    assert fingerprint.backend() == "gpu:applegpu_g15s"
