@@ -20,7 +20,8 @@ import mlx.core as mx
 from cluster.bench.codec import geometry_caches
 from cluster.bench.common import best_of, parser, prompt_tokens, write_json
 from cluster.store.hashing import chain_ids
-from cluster.kvcache.tiers import TieredBlocks
+from cluster.kvcache.admission import Admission
+from cluster.kvcache.tiers import Tiers
 
 
 def measure(block_tokens: int, tokens: int) -> dict:
@@ -30,17 +31,17 @@ def measure(block_tokens: int, tokens: int) -> dict:
     ids = chain_ids(pc.namespace, prompt, block_tokens)
 
     def capture():
-        pc.tier = TieredBlocks(1 << 34, pc.namespace)
+        pc.tiers = Tiers(1 << 34, pc.namespace)
         for j, bid in enumerate(ids):
             pc.store_block(j, bid, ids[j - 1] if j else pc.namespace,
                            prompt[j * block_tokens:(j + 1) * block_tokens], caches)
 
     t_capture = best_of(capture)
     raw = sum(c.keys[..., :tokens, :].nbytes + c.values[..., :tokens, :].nbytes for c in caches)
-    stored = pc.tier.stats()["ram"]["bytes"]
+    stored = pc.tiers.stats()["ram"]["bytes"]
 
     def restore():
-        restored, n, _ = pc.restore(prompt + [0])
+        restored, n, _ = pc.restore(prompt + [0], Admission(pc).fetch(prompt + [0]))
         assert n == tokens
         mx.eval([c.state for c in restored])
 

@@ -19,16 +19,14 @@ import numpy as np
 
 from cluster.bench.common import best_of, load, parser, prompt_tokens, write_json
 from cluster.config import CacheConfig
-from cluster.families.codecs import new_cache
+from cluster.families.codecs import codec_descriptor, new_cache, payload_signature
 from cluster.families.specs import FullAttention, Layout
-from cluster.kvcache.prefix_cache import PrefixCache
+from cluster.kvcache.prefix_cache import PrefixCache, Shapes
 from cluster.kvcache.setup import setup_cache
 from mlx_lm.models.cache import KVCache
-from cluster.store import block_format
-from cluster.store.arrays import to_mlx
-from cluster.store.block_format import Expect
+from cluster.store.arrays import dtype_tag, to_mlx
 from cluster.store.hashing import chain_ids, state_key
-from cluster.kvcache.tiers import TieredBlocks
+from cluster.kvcache.tiers import Tiers
 
 DEFAULT_MODELS = "tiny-dense,tiny-swa,tiny-hybrid,tiny-gemma4,tiny-next,geometry:qwen3-0.6b"
 # Realistic geometry without a model: the codec's cost depends on shapes, not values.
@@ -51,8 +49,6 @@ def real_model_caches(name: str, data_dir: Path, tokens: int, block_tokens: int)
 def geometry_caches(name: str, tokens: int, block_tokens: int):
     g = GEOMETRIES[name]
     layout = Layout(family=f"geometry:{name}", layers=tuple(FullAttention() for _ in range(g["layers"])))
-    pc = PrefixCache(layout, bytes(32), CacheConfig(block_tokens=block_tokens, ram_bytes=1 << 34),
-                     TieredBlocks(1 << 34, bytes(32)), g["dtype"])
     caches = []
     for _ in range(g["layers"]):
         c = KVCache()
@@ -60,6 +56,10 @@ def geometry_caches(name: str, tokens: int, block_tokens: int):
         c.update_and_fetch(kv, kv + 1)
         caches.append(c)
     mx.eval([c.state for c in caches])
+    sig = [payload_signature(spec, c, block_tokens) for spec, c in zip(layout.layers, caches)]
+    shapes = Shapes(dtype=dtype_tag(g["dtype"]), kv=tuple(s[0] for s in sig), state=tuple(s[1] for s in sig))
+    pc = PrefixCache(layout, bytes(32), CacheConfig(block_tokens=block_tokens, ram_bytes=1 << 34),
+                     Tiers(1 << 34, bytes(32)), shapes, codec_descriptor("native", 64))
     return pc, caches, prompt_tokens(tokens)
 
 
@@ -72,7 +72,7 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
     ids = chain_ids(pc.namespace, prompt, block_tokens)
 
     def encode_all():
-        pc.tier = TieredBlocks(1 << 34, pc.namespace)
+        pc.tiers = Tiers(1 << 34, pc.namespace)
         for j, bid in enumerate(ids):
             pc.store_block(j, bid, ids[j - 1] if j else pc.namespace, prompt[j * block_tokens:(j + 1) * block_tokens], caches)
         if pc.layout.has_recurrent:
@@ -80,19 +80,17 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
                            prompt[(len(ids) - 1) * block_tokens: len(ids) * block_tokens], pc.snapshot_state(caches))
 
     t_enc = best_of(encode_all)
-    blobs = {key: pc.tier.get(key) for key in pc.tier.keys()}
+    blobs = {key: pc.tiers.ram.get(key) for key in pc.tiers.ram.keys()}
     total = sum(len(b) for b in blobs.values())
 
     def decode_all():
         out = []
         for j, bid in enumerate(ids):
-            blk = block_format.decode(blobs[bid], Expect(pc.namespace, bid, "kv", pc.described, block_tokens,
-                                                         ids[j - 1] if j else pc.namespace))
+            blk = pc.decode(blobs[bid], "kv", j, ids)
             out += [to_mlx(a) for entry in blk.entries for a in entry]
         if pc.layout.has_recurrent:
             key = state_key(ids[-1])
-            blk = block_format.decode(blobs[key], Expect(pc.namespace, ids[-1], "state", pc.described, block_tokens,
-                                                         ids[-2] if len(ids) > 1 else pc.namespace))
+            blk = pc.decode(blobs[key], "state", len(ids) - 1, ids)
             out += [to_mlx(a) for entry in blk.entries for a in entry]
         mx.eval(out)
 

@@ -28,7 +28,9 @@ import numpy as np
 
 from cluster.bench.codec import geometry_caches
 from cluster.bench.common import parser, write_json
-from cluster.kvcache.disk_client import DiskClient, LocalLink
+from cluster.kvcache.disk_client import DiskClient
+from cluster.kvcache.store_link import LocalLink
+from cluster.families.codecs import codec_descriptor
 from cluster.store import block_format as bf
 from cluster.store.disk_tier import DiskStore
 from cluster.store.hashing import chain_ids
@@ -60,8 +62,8 @@ def geometry_blocks(n: int) -> list[tuple[bytes, bytes, object]]:
     out = []
     for j, bid in enumerate(ids):
         pc.store_block(j, bid, ids[j - 1] if j else pc.namespace, prompt[j * 64:(j + 1) * 64], caches)
-        out.append((pc.namespace, bid, pc.tier.get(bid)))
-        pc.tier.remove(bid)  # keep memory flat: one block in RAM at a time
+        out.append((pc.namespace, bid, pc.tiers.ram.get(bid)))
+        pc.tiers.ram.discard(bid)  # keep memory flat: one block in RAM at a time
     mx.clear_cache()
     return out
 
@@ -83,7 +85,7 @@ def throughput(work: Path, n: int) -> dict:
     cold = drop_cache(files)
     client = DiskClient(LocalLink(store), ns)
     t0 = time.perf_counter()
-    got = client.read(keys)
+    got = client.get_many(keys)
     t_read = time.perf_counter() - t0
     client.close()
     assert all(g is not None for g in got)
@@ -107,7 +109,7 @@ def recovery(work: Path, n: int) -> dict:
     for j, bid in enumerate(ids):
         blk = bf.Block(kind="kv", namespace=ns, id=bid, parent=ids[j - 1] if j else ns, start=j * 16,
                        tokens=tokens[j * 16:(j + 1) * 16], layout=[["full"]], dtype="float32",
-                       codec=["native", 1, 64], entries=[payload])
+                       codec=codec_descriptor("native", 64), entries=[payload])
         path = store_root / bid.hex()[:2] / f"{bid.hex()}.blk"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(bf.encode(blk))

@@ -28,18 +28,22 @@ from cluster.bench.common import load, parser, prompt_tokens, write_json
 from cluster.config import CacheConfig
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.events import Delta, Started
-from cluster.engine.sequence import GenerationParams, Sequence
+from cluster.engine.request import GenerationParams
+from cluster.engine.sequence import Sequence
 from cluster.bench.disk import drop_cache
-from cluster.kvcache.disk_client import LocalLink
+from cluster.kvcache.admission import Admission
 from cluster.kvcache.session import BlockSession
+from cluster.kvcache.store_link import LocalLink
 from cluster.kvcache.setup import setup_cache
 from cluster.store.disk_tier import DiskStore
 
 
 def first_token(model, tok, prompt, session) -> tuple[float, int, int]:
-    """(seconds to the first token, cached tokens, the token)."""
-    seq = Sequence(prompt, GenerationParams(max_tokens=1), model, tok, session, prefill_step=512)
+    """(seconds to the first token, cached tokens, the token); `session` may be a callable making it,
+    timed too (the admission stage: lookups and reads)."""
     t0 = time.perf_counter()
+    session = session() if callable(session) else session
+    seq = Sequence(prompt, GenerationParams(max_tokens=1), model, tok, session, prefill_step=512)
     cached = 0
     while True:
         for e in seq.step():
@@ -52,6 +56,10 @@ def first_token(model, tok, prompt, session) -> tuple[float, int, int]:
                 return elapsed, cached, e.token_ids[0]
 
 
+def warm(pc, prompt):
+    return lambda: BlockSession(pc, prompt, Admission(pc).fetch(prompt))
+
+
 def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
     model, tok, path = load(name, data_dir)
     work = Path(tempfile.mkdtemp(prefix="bench-ttft-", dir=data_dir))
@@ -62,12 +70,12 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
         prompt = prompt_tokens(tokens)
         first_token(model, tok, prompt[:64], ColdSession(model, pc.new_caches))  # warm up kernels
         cold, _, t_cold = first_token(model, tok, prompt, ColdSession(model, pc.new_caches))
-        capture, _, t_capture = first_token(model, tok, prompt, BlockSession(pc, prompt))
-        ram, n, t_ram = first_token(model, tok, prompt, BlockSession(pc, prompt))
-        pc.tier.disk.flush(600)
+        capture, _, t_capture = first_token(model, tok, prompt, warm(pc, prompt))
+        ram, n, t_ram = first_token(model, tok, prompt, warm(pc, prompt))
+        pc.tiers.disk.flush(600)
         fresh = setup_cache(model, tok, path, config, work, store_link=LocalLink(store)).cache  # empty RAM
         cold_cache = drop_cache([store.path(k.ns, k.key) for k in store.index.entries.values()])
-        disk, n_disk, t_disk = first_token(model, tok, prompt, BlockSession(fresh, prompt))
+        disk, n_disk, t_disk = first_token(model, tok, prompt, warm(fresh, prompt))
         assert t_cold == t_capture == t_ram == t_disk, "cached first token differs from cold"
         assert n_disk == n
         return {"model": name, "tokens": tokens, "block_tokens": block_tokens, "cached_tokens": n,

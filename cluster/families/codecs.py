@@ -29,6 +29,19 @@ from cluster.families.specs import FullAttention, LayerSpec, QuantizedAttention,
 
 STEP = 256  # KVCache's own growth step
 
+# Payload codecs and their versions. A version bump means blocks made by the old
+# code must not be read by the new: the descriptor is part of the fingerprint
+# (so the namespace changes) and of every block header (so a block is refused
+# if it disagrees).
+CODEC_VERSIONS = {"native": 1, "q8": 1, "q4": 1}
+CODEC_BITS = {"native": None, "q8": 8, "q4": 4}
+
+
+def codec_descriptor(name: str, group_size: int) -> list:
+    """[name, version, bits, group] of a payload codec: what the fingerprint and block headers carry."""
+    bits = CODEC_BITS[name]
+    return [name, CODEC_VERSIONS[name], bits, group_size if bits else None]
+
 
 class CaptureError(RuntimeError):
     """The cache no longer holds the tokens asked for (a window rotated them out)."""
@@ -95,6 +108,32 @@ def capture_state(spec: LayerSpec, cache) -> list[mx.array]:
     if any(a is None for a in cache.cache):
         raise CaptureError("recurrent cache is empty")
     return list(cache.cache)
+
+
+# -- what a block's payload must look like ---------------------------------------
+def _signature(arrays: list, block_tokens: Optional[int]) -> tuple:
+    """(dtype tag, shape) of each array, with the token axis (2) set to `block_tokens` if given."""
+    out = []
+    for a in arrays:
+        shape = tuple(int(d) for d in a.shape)
+        if block_tokens is not None:
+            shape = shape[:2] + (block_tokens,) + shape[3:]
+        out.append((str(a.dtype).removeprefix("mlx.core."), shape))
+    return tuple(out)
+
+
+def payload_signature(spec: LayerSpec, cache, block_tokens: int) -> tuple[tuple, tuple]:
+    """What this entry stores in a KV block and in a checkpoint, read off a cache that holds a few tokens.
+
+    KV blocks: full and quantized layers hold B token rows, sliding layers their
+    stored tail of min(B, W) rows, recurrent layers nothing. Checkpoints: the
+    recurrent arrays exactly as the live cache has them, nothing for the rest."""
+    if isinstance(spec, Recurrent):
+        return (), _signature(list(cache.cache), None)
+    if isinstance(spec, QuantizedAttention):
+        return _signature([*cache.keys, *cache.values], block_tokens), ()
+    rows = sliding_keep(spec, block_tokens) if isinstance(spec, SlidingWindow) else block_tokens
+    return _signature([cache.keys, cache.values], rows), ()
 
 
 # -- restore ---------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The replica's side of its node's disk tier.
+"""The replica's view of its node's disk tier, for one model namespace (the store contract).
 
 Writes (spills) go through the node's store, which owns the directory: they
-queue here and a spiller thread ships them in batches, waiting for each batch's
-acknowledgement, so at most one batch is in flight.
+queue here and a background thread ships them in batches, waiting for each
+batch's acknowledgement, so at most one batch is in flight.
 
 The spill queue is bounded (bytes). When it is full, the **oldest pending spill
 is dropped** and counted; generation never waits for the disk. Why drop rather
@@ -11,110 +11,114 @@ block is not lost for good - it is still in the RAM tier, and goes back into
 this queue when the RAM tier evicts it. The oldest entry goes first because the
 newest belong to requests still running, whose next turn is the likeliest reuse.
 
-Reads (restores) go straight to the files: the store pins the blocks and
-returns their paths, this process reads and verifies them (one copy from the
-page cache, no IPC of the bytes), then releases the pins and reports any bad
-block, which the store quarantines.
+`on_disk` (what this replica believes the disk holds, so it does not spill a
+block twice) follows the store's event log: stored and evicted events arrive
+exactly once, and a gap in them (or a restarted store) triggers a resync from
+the store's key list. Blocks this replica serves from RAM are reported as uses
+(`touch`, batched), so the disk's LRU keeps them too: the hottest prefixes are
+the last to leave the disk, and so survive a restart.
+
+Reads go straight to the files: the store pins the blocks and returns their
+paths, this process reads and verifies them (one copy from the page cache, no
+IPC of the bytes), then releases the pins and reports what failed. Lookups and
+reads are only ever made from admission threads, under deadlines, behind a
+circuit breaker (see admission.py); never from the model thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Protocol
+from concurrent.futures import TimeoutError as ReadTimeout
+from typing import Optional
 
 import numpy as np
 
-from cluster.store.disk_tier import DiskStore, read_verified
+from cluster.kvcache.breaker import Breaker
+from cluster.kvcache.store_link import StoreLink
+from cluster.store.block_files import read_verified
 
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 64 << 20
 READ_THREADS = 4
-CALL_TIMEOUT_S = 30.0
-
-
-class StoreLink(Protocol):
-    """The node store's API, called in-process or through its Ray actor."""
-
-    def write(self, ns: bytes, items: list[tuple[bytes, np.ndarray]]) -> dict: ...
-    def contains(self, ns: bytes, keys: list[bytes]) -> list[bool]: ...
-    def open_read(self, ns: bytes, keys: list[bytes]) -> tuple[int, list]: ...
-    def close_read(self, lease: int, good: list[bytes], bad: list[tuple[bytes, str, str]]) -> None: ...
-
-
-class LocalLink:
-    """A DiskStore in this process (tests, benchmarks)."""
-
-    def __init__(self, store: DiskStore):
-        self.store = store
-        self._leases: dict[int, tuple[bytes, list[bytes]]] = {}
-        self._next = 0
-
-    def write(self, ns, items):
-        return self.store.write_many([(ns, k, d) for k, d in items])
-
-    def contains(self, ns, keys):
-        return self.store.contains(ns, keys)
-
-    def open_read(self, ns, keys):
-        located = self.store.open_read(ns, keys)
-        self._next += 1
-        self._leases[self._next] = (ns, [k for k, loc in zip(keys, located) if loc])
-        return self._next, located
-
-    def close_read(self, lease, good, bad):
-        ns, pinned = self._leases.pop(lease)
-        self.store.close_read(ns, pinned, good, bad)
-
-
-class ActorLink:
-    """The node's NodeStore actor; every call is bounded by a timeout."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def _call(self, method: str, *args):
-        import ray
-
-        return ray.get(getattr(self.handle, method).remote(*args), timeout=CALL_TIMEOUT_S)
-
-    def write(self, ns, items):
-        return self._call("write", ns, items)
-
-    def contains(self, ns, keys):
-        return self._call("contains", ns, keys)
-
-    def open_read(self, ns, keys):
-        return self._call("open_read", ns, keys)
-
-    def close_read(self, lease, good, bad):
-        self.handle.close_read.remote(lease, good, bad)  # ordered after open_read; no need to wait
+SYNC_PERIOD_S = 1.0
 
 
 class DiskClient:
-    def __init__(self, link: StoreLink, namespace: bytes, queue_bytes: int = 256 << 20):
+    def __init__(self, link: StoreLink, namespace: bytes, queue_bytes: int = 256 << 20,
+                 lookup_timeout_s: float = 1.0, read_timeout_s: float = 10.0, breaker: Optional[Breaker] = None):
         self.link = link
         self.ns = namespace
         self.queue_bytes = queue_bytes
+        self.lookup_timeout_s = lookup_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.breaker = breaker or Breaker()
         self.on_disk: set[bytes] = set()
         self._queue: deque[tuple[bytes, np.ndarray]] = deque()
         self._queued: set[bytes] = set()
         self._pending_bytes = 0
+        self._touches: set[bytes] = set()
+        self._reports: list[tuple[bytes, str, str]] = []
+        self._cursor: Optional[int] = None  # None: resync before trusting events
+        self._epoch: Optional[str] = None
+        self._next_sync = 0.0
         self._cond = threading.Condition()
         self._closed = False
-        self._busy = False  # a batch is being written
+        self._busy = False
         self.counters = {"spilled": 0, "dropped_spills": 0, "spill_errors": 0, "read_errors": 0,
-                         "disk_hits": 0, "disk_misses": 0}
+                         "disk_hits": 0, "disk_misses": 0, "lookup_errors": 0, "refused_by_breaker": 0,
+                         "touches_sent": 0, "resyncs": 0, "events_applied": 0}
         # Reads overlap: several files in flight keep an SSD's queue busy (file reads release the GIL).
         self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mlx-fleet-read")
-        self._thread = threading.Thread(target=self._run, name="mlx-fleet-spiller", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="mlx-fleet-disk", daemon=True)
         self._thread.start()
 
-    # -- spills ------------------------------------------------------------------
-    def spill(self, key: bytes, data) -> None:
+    # -- the store contract ----------------------------------------------------------
+    def present(self, keys: list[bytes]) -> list[bool]:
+        """Ask the store (deadline, breaker); a store that cannot answer holds nothing."""
+        if not keys:
+            return []
+        found = self._guarded(lambda: self.link.present(self.ns, keys, self.lookup_timeout_s), "lookup")
+        if found is None:
+            return [False] * len(keys)
+        return found
+
+    def get_many(self, keys: list[bytes]) -> list[Optional[np.ndarray]]:
+        """Read and verify blocks; misses, bad and unreadable blocks are None."""
+        if not keys:
+            return []
+        opened = self._guarded(lambda: self.link.open_read(self.ns, keys, self.lookup_timeout_s), "read")
+        if opened is None:
+            return [None] * len(keys)
+        lease, located = opened
+        out, good, failed = [], [], []
+        reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys, timeout=self.read_timeout_s)
+        try:
+            for key, (data, failure) in zip(keys, reads):
+                if failure is not None:
+                    failed.append(failure)
+                    self.counters["read_errors"] += 1
+                    with self._cond:
+                        self.on_disk.discard(key)
+                elif data is not None:
+                    good.append(key)
+                self.counters["disk_hits" if data is not None else "disk_misses"] += 1
+                out.append(data)
+        except ReadTimeout:  # the disk is too slow: what was not read in time is a miss (its pin expires)
+            log.warning("disk reads took longer than %.1fs; the rest of this restore is a miss", self.read_timeout_s)
+            self.breaker.failure()
+            out += [None] * (len(keys) - len(out))
+        try:
+            self.link.close_read(lease, good, failed)
+        except Exception as e:
+            log.warning("releasing a disk read failed: %s", e)
+        return out
+
+    def put(self, key: bytes, data) -> None:
         """Queue a block for the disk unless it is there or queued already; never blocks."""
         arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         with self._cond:
@@ -130,20 +134,61 @@ class DiskClient:
                 self.counters["dropped_spills"] += 1
             self._cond.notify()
 
+    def discard(self, key: bytes, reason: str, detail: str = "") -> None:
+        """A block refused at decode: have the store quarantine it (asynchronously, never waited on)."""
+        with self._cond:
+            self.on_disk.discard(key)
+            self._reports.append((key, reason, detail))
+            self._cond.notify()
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {**self.counters, "queued": len(self._queue), "queued_bytes": self._pending_bytes,
+                    "known_on_disk": len(self.on_disk), "breaker": self.breaker.state}
+
+    # -- uses, and background work ------------------------------------------------------------
+    def touch(self, keys: list[bytes]) -> None:
+        """Blocks served from RAM: tell the disk they were used (batched, asynchronous)."""
+        with self._cond:
+            self._touches.update(k for k in keys if k in self.on_disk)
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued spill was acknowledged (tests, shutdown)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: not self._queue and not self._busy and not self._reports, timeout_s)
+
+    def sync_events(self) -> None:
+        """Apply the store's events now (the background thread does it every second)."""
+        with self._cond:
+            self._next_sync = 0.0
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._next_sync > 0.0, 30.0)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
+    def _guarded(self, call, what: str):
+        if not self.breaker.allow():
+            self.counters["refused_by_breaker"] += 1
+            return None
+        try:
+            result = call()
+        except Exception as e:  # slow, dead or restarting store: a miss, and the breaker learns
+            self.counters["lookup_errors"] += 1
+            self.breaker.failure()
+            log.warning("disk %s failed (breaker %s): %s", what, self.breaker.state, e)
+            return None
+        self.breaker.success()
+        return result
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
+                self._cond.wait_for(lambda: self._queue or self._reports or self._closed
+                                    or time.monotonic() >= self._next_sync, timeout=SYNC_PERIOD_S)
                 if self._closed and not self._queue:
                     return
                 batch, size = [], 0
@@ -151,68 +196,73 @@ class DiskClient:
                     key, arr = self._queue.popleft()
                     batch.append((key, arr))
                     size += arr.nbytes
-                self._busy = True
+                reports, self._reports = self._reports, []
+                touches, self._touches = list(self._touches), set()
+                sync = time.monotonic() >= self._next_sync
+                self._busy = bool(batch)
+            self._send_reports(reports, touches)
+            if batch:
+                self._write(batch)
+            if sync:
+                self._sync()
+            with self._cond:
+                self._busy = False
+                if sync:
+                    self._next_sync = time.monotonic() + SYNC_PERIOD_S
+                self._cond.notify_all()
+
+    def _send_reports(self, reports: list, touches: list[bytes]) -> None:
+        try:
+            for key, reason, detail in reports:
+                self.link.quarantine(self.ns, key, reason, detail)
+            if touches:
+                self.link.touch(self.ns, touches)
+                self.counters["touches_sent"] += len(touches)
+        except Exception as e:
+            log.warning("could not report to the disk tier: %s", e)
+
+    def _write(self, batch: list) -> None:
+        acked = []
+        if self.breaker.allow():
             try:
                 self.link.write(self.ns, batch)
                 acked = [k for k, _ in batch]
+                self.breaker.success()
             except Exception as e:  # the store is down or slow: these spills are lost, RAM keeps the blocks
                 log.warning("spill of %d blocks failed: %s", len(batch), e)
-                self.counters["spill_errors"] += len(batch)
-                acked = []
-            with self._cond:
-                for key, arr in batch:
-                    self._queued.discard(key)
-                    self._pending_bytes -= arr.nbytes
-                self.on_disk.update(acked)
-                self.counters["spilled"] += len(acked)
-                self._busy = False
-                self._cond.notify_all()
-
-    # -- lookups and reads ----------------------------------------------------------
-    def present(self, keys: list[bytes]) -> list[bool]:
-        if not keys:
-            return []
-        try:
-            found = self.link.contains(self.ns, keys)
-        except Exception as e:
-            log.warning("disk lookup failed: %s", e)
-            return [False] * len(keys)
-        self.on_disk.update(k for k, f in zip(keys, found) if f)
-        return found
-
-    def read(self, keys: list[bytes]) -> list[Optional[np.ndarray]]:
-        """Read and verify blocks from the node's disk; misses and bad blocks are None."""
-        try:
-            lease, located = self.link.open_read(self.ns, keys)
-        except Exception as e:
-            log.warning("disk read failed: %s", e)
-            return [None] * len(keys)
-        out, good, bad = [], [], []
-        reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys)
-        for key, (data, error) in zip(keys, reads):
-            if error is not None:
-                bad.append(error)
-                self.counters["read_errors"] += 1
-                self.on_disk.discard(key)
-            elif data is not None:
-                good.append(key)
-            self.counters["disk_hits" if data is not None else "disk_misses"] += 1
-            out.append(data)
-        try:
-            self.link.close_read(lease, good, bad)
-        except Exception as e:
-            log.warning("releasing a disk read failed: %s", e)
-        return out
-
-    def discard(self, key: bytes, reason: str, detail: str) -> None:
-        """A block that decoded badly at a higher level: have the store quarantine it."""
-        self.on_disk.discard(key)
-        try:
-            lease, located = self.link.open_read(self.ns, [key])
-            self.link.close_read(lease, [], [(key, reason, detail)] if located[0] else [])
-        except Exception as e:
-            log.warning("could not quarantine %s: %s", key.hex()[:16], e)
-
-    def stats(self) -> dict:
+                self.breaker.failure()
         with self._cond:
-            return {**self.counters, "queued": len(self._queue), "queued_bytes": self._pending_bytes}
+            for key, arr in batch:
+                self._queued.discard(key)
+                self._pending_bytes -= arr.nbytes
+            self.on_disk.update(acked)
+            self.counters["spilled"] += len(acked)
+            self.counters["spill_errors"] += len(batch) - len(acked)
+
+    def _sync(self) -> None:
+        """Follow the store's event log; resync from its key list after a gap or a store restart."""
+        try:
+            while True:
+                batch = self.link.events_since(self._cursor or 0, self._epoch)
+                if batch.gap or self._cursor is None:
+                    keys = set(self.link.keys(self.ns))  # read after the batch: see events.py
+                    with self._cond:
+                        self.on_disk = keys
+                    self.counters["resyncs"] += 1
+                self._apply(batch.events)
+                self._cursor, self._epoch = batch.cursor, batch.epoch
+                if not batch.events:
+                    return
+        except Exception as e:
+            log.debug("disk event sync failed: %s", e)
+
+    def _apply(self, events: list) -> None:
+        with self._cond:
+            for e in events:
+                if e.namespace != self.ns:
+                    continue
+                if e.event == "stored":
+                    self.on_disk.add(e.key)
+                else:
+                    self.on_disk.discard(e.key)
+                self.counters["events_applied"] += 1

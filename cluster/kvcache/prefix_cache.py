@@ -1,51 +1,49 @@
-"""PrefixCache: a replica's view of its block cache for one model.
+"""PrefixCache: a replica's block cache for one model, as the model thread uses it.
 
 It answers three questions for the engine:
-- plan:    how many leading prompt tokens can be restored exactly?
-- restore: build mlx-lm caches holding exactly those tokens;
-- store:   encode a finished block (or a recurrent checkpoint) into the tier.
+- restore: build mlx-lm caches holding the prefix the admission stage fetched;
+- store:   encode a finished block (or a recurrent checkpoint) into the tiers;
+- expect:  what a block must look like at a place of a chain (namespace, id,
+           parent, start, layout, dtype, codec, and every array's dtype and
+           shape), so decoding refuses anything else.
 
-Choosing the restore position n (at most len(prompt) - 1: generation needs at
-least one token to prefill):
-- full / quantized layers: any n covered by consecutive cached blocks;
-- sliding layers: the window [n - W, n) must be inside the stored tails; with
-  W >= B that holds for any n, with W < B only at block ends;
-- recurrent layers: only where a checkpoint exists, i.e. block ends that were
-  checkpointed. So a hybrid falls back to the last checkpoint before the hit.
-The largest n satisfying every layer wins. A block that fails to decode is a
-miss: it is dropped, counted, and the plan shrinks to the blocks before it.
+Where to resume (plan.py) and fetching the blocks (admission.py) happen before
+a sequence reaches the model thread; everything here runs on it, with no I/O.
+A failure while restoring is a miss, whatever raised it: the blocks involved
+are discarded from every tier, counted, and the prompt is prefilled cold.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
-
 import mlx.core as mx
 import numpy as np
 
 from cluster.config import CacheConfig
-from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry, sliding_keep
-from cluster.families.specs import Layout, Recurrent, SlidingWindow
+from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry
+from cluster.families.specs import Layout, Recurrent
+from cluster.kvcache.plan import Planner
+from cluster.kvcache.tiers import Tiers
 from cluster.store import block_format
-from cluster.store.arrays import dtype_tag, host_views, to_mlx
-from cluster.store.block_format import Block, BlockError, Expect
-from cluster.store.hashing import chain_ids, state_key
-from cluster.kvcache.tiers import TieredBlocks
+from cluster.store.arrays import host_views, to_mlx
+from cluster.store.block_format import REASONS, Block, BlockError, Expect, Signature
+from cluster.store.hashing import state_key
 
 log = logging.getLogger(__name__)
 
-# Every BlockError reason, fixed up front so the counters never change shape while read.
-CORRUPT_REASONS = sorted({cls.reason for cls in (BlockError, *BlockError.__subclasses__())})
-
 
 @dataclass
-class Plan:
-    """What a prompt can reuse: its block ids and where to restore to."""
+class Prefetch:
+    """What the admission stage hands the model thread: decoded, verified blocks and where to resume."""
 
-    ids: list[bytes]
-    n: int
+    ids: list[bytes]  # every full block of the prompt
+    n: int = 0  # tokens to restore
+    blocks: dict = field(default_factory=dict)  # key -> decoded Block (numpy views), exactly planner.keys(ids, n)
+    from_ram: int = 0
+    from_disk: int = 0
 
 
 @dataclass
@@ -56,7 +54,12 @@ class CacheCounters:
     blocks_stored: int = 0
     checkpoints_stored: int = 0
     capture_errors: int = 0
-    corrupt: dict = field(default_factory=lambda: {r: 0 for r in CORRUPT_REASONS})
+    corrupt: dict = field(default_factory=lambda: {r: 0 for r in REASONS})
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def refused(self, reason: str) -> None:
+        with self._lock:
+            self.corrupt[reason if reason in self.corrupt else "unexpected"] += 1
 
     def as_dict(self) -> dict:
         return {"lookups": self.lookups, "hit_requests": self.hit_requests, "hit_tokens": self.hit_tokens,
@@ -64,44 +67,50 @@ class CacheCounters:
                 "capture_errors": self.capture_errors, "corrupt": dict(self.corrupt)}
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """Measured from the model: payload signatures and byte sizes."""
+
+    dtype: str
+    kv: Signature  # what every KV block's arrays must be
+    state: Signature  # what every checkpoint's arrays must be
+    state_bytes: int = 0
+    kv_bytes_per_token: int = 0
+
+
 class PrefixCache:
-    def __init__(self, layout: Layout, namespace: bytes, config: CacheConfig, tier: TieredBlocks, dtype: mx.Dtype,
-                 state_bytes: int = 0, kv_bytes_per_token: int = 0):
+    def __init__(self, layout: Layout, namespace: bytes, config: CacheConfig, tiers: Tiers, shapes: Shapes,
+                 codec: list):
         self.layout = layout
         self.namespace = namespace
         self.B = config.block_tokens
-        self.tier = tier
-        self.dtype = dtype_tag(dtype)
-        self.codec = [config.kv_codec, 1, config.kv_group_size]
+        self.tiers = tiers
+        self.shapes = shapes
+        self.dtype = shapes.dtype
+        self.codec = codec
         self.described = layout.describe()
-        self.every = checkpoint_interval(state_bytes, kv_bytes_per_token * self.B, config.checkpoint_overhead)
+        self.planner = Planner(layout, self.B)
+        self.every = checkpoint_interval(shapes.state_bytes, shapes.kv_bytes_per_token * self.B,
+                                         config.checkpoint_overhead)
         self.counters = CacheCounters()
+
+    # -- what a block must be ------------------------------------------------------
+    def expect(self, kind: str, index: int, ids: list[bytes]) -> Expect:
+        """The block `kind` ("kv" or "state") at the end of block `index` of the chain `ids`."""
+        return Expect(namespace=self.namespace, id=ids[index], kind=kind, layout=self.described,
+                      block_tokens=self.B, parent=ids[index - 1] if index else self.namespace,
+                      start=index * self.B, dtype=self.dtype, codec=self.codec,
+                      arrays=self.shapes.kv if kind == "kv" else self.shapes.state)
+
+    def decode(self, data, kind: str, index: int, ids: list[bytes]) -> Block:
+        """Decode and check block `index` (or the checkpoint at its end) of the chain `ids`.
+
+        No MLX here (the arrays are numpy views), so it runs off the model thread."""
+        return block_format.decode(data, self.expect(kind, index, ids))
 
     # -- cold caches ---------------------------------------------------------
     def new_caches(self) -> list:
         return [new_cache(spec) for spec in self.layout.layers]
-
-    # -- planning ------------------------------------------------------------
-    def plan(self, prompt: list[int], max_blocks: int | None = None) -> Plan:
-        ids = chain_ids(self.namespace, prompt, self.B)
-        hit = self.tier.prefix_hits(ids if max_blocks is None else ids[:max_blocks])
-        limit = min(hit * self.B, len(prompt) - 1)
-        candidates = sorted({limit, *(j * self.B for j in range(1, hit + 1) if j * self.B <= limit)}, reverse=True)
-        checkpoints: set[int] = set()
-        if self.layout.has_recurrent and hit:  # one lookup for every candidate's checkpoint
-            ends = [c // self.B for c in candidates if c and c % self.B == 0]
-            checkpoints = {j for j, f in zip(ends, self.tier.present([state_key(ids[j - 1]) for j in ends])) if f}
-        n = next((c for c in candidates if c > 0 and self._restorable(c, checkpoints)), 0)
-        return Plan(ids=ids, n=n)
-
-    def _restorable(self, n: int, checkpoints: set[int]) -> bool:
-        at_boundary = n % self.B == 0
-        for spec in self.layout.layers:
-            if isinstance(spec, SlidingWindow) and sliding_keep(spec, self.B) < self.B and not at_boundary:
-                return False
-        if self.layout.has_recurrent:
-            return at_boundary and n // self.B in checkpoints
-        return True
 
     def checkpoint_due(self, block_index: int, prompt_len: int) -> bool:
         """Every `every`-th block end, the prompt's last full block end (where the next turn
@@ -110,40 +119,34 @@ class PrefixCache:
         return ((block_index + 1) % self.every == 0 or block_index == prompt_len // self.B - 1
                 or block_index == (prompt_len - 1) // self.B - 1)
 
-    # -- restore -------------------------------------------------------------
-    def restore(self, prompt: list[int]) -> tuple[list, int, list[bytes]]:
-        """Caches holding the longest restorable prefix of `prompt`, its length, and the prompt's block ids."""
-        self.counters.lookups += 1
-        plan = self.plan(prompt)
-        while plan.n:
+    # -- restore (model thread) ------------------------------------------------------
+    def restore(self, prompt: list[int], prefetch: Prefetch) -> tuple[list, int, list[bytes]]:
+        """Caches holding the fetched prefix of `prompt`, its length, and the prompt's block ids."""
+        n = prefetch.n
+        if n:
             try:
-                caches = self._build(plan, len(prompt))
+                caches = self._build(prefetch, n, len(prompt))
                 self.counters.hit_requests += 1
-                self.counters.hit_tokens += plan.n
-                return caches, plan.n, plan.ids
-            except BlockError as e:
-                bad = getattr(e, "block_index", 0)
-                log.warning("block %d of a cached prefix is unusable (%s): %s; treating it as a miss",
-                            bad, e.reason, e)
-                self.counters.corrupt[e.reason] += 1
-                plan = self.plan(prompt, max_blocks=bad)
-        return self.new_caches(), 0, plan.ids
+                self.counters.hit_tokens += n
+                return caches, n, prefetch.ids
+            except Exception as e:  # any failure is a miss: never an answer, never a 500
+                reason = e.reason if isinstance(e, BlockError) else "unexpected"
+                log.warning("restoring %d cached tokens failed (%s: %s); prefilling cold and dropping its blocks",
+                            n, type(e).__name__, e)
+                self.counters.refused(reason)
+                for key in self.planner.keys(prefetch.ids, n):
+                    self.tiers.discard(key, reason, f"restore failed: {type(e).__name__}: {e}")
+        return self.new_caches(), 0, prefetch.ids
 
-    def _build(self, plan: Plan, prompt_len: int) -> list:
-        n, m = plan.n, math.ceil(plan.n / self.B)
-        keys = plan.ids[:m]
-        if self.layout.has_recurrent:
-            keys = keys + [state_key(plan.ids[n // self.B - 1])]
-        datas = self.tier.get_many(keys)  # RAM, then one batched disk read
+    def _build(self, prefetch: Prefetch, n: int, prompt_len: int) -> list:
+        m = math.ceil(n / self.B)
         parts: list[list] = [[None] * m for _ in self.layout.layers]
         for j in range(m):
-            block = self._decode(datas[j], plan.ids[j], "kv", plan.ids[j - 1] if j else self.namespace, j, keys[j])
-            for e, arrays in enumerate(block.entries):
+            for e, arrays in enumerate(prefetch.blocks[prefetch.ids[j]].entries):
                 parts[e][j] = [to_mlx(a) for a in arrays]
         state = None
         if self.layout.has_recurrent:
-            j = n // self.B - 1
-            block = self._decode(datas[-1], plan.ids[j], "state", plan.ids[j - 1] if j else self.namespace, j, keys[-1])
+            block = prefetch.blocks[state_key(prefetch.ids[n // self.B - 1])]
             state = [[to_mlx(a) for a in arrays] for arrays in block.entries]
         room = prompt_len - n + 256
         caches = [restore_entry(spec, parts[e], n, self.B, room, state[e] if state else None)
@@ -151,20 +154,9 @@ class PrefixCache:
         mx.eval([c.state for c in caches])
         return caches
 
-    def _decode(self, data, block_id: bytes, kind: str, parent: bytes, index: int, key: bytes) -> Block:
-        try:
-            if data is None:
-                raise block_format.Truncated("block vanished from the tiers between plan and restore")
-            return block_format.decode(data, Expect(self.namespace, block_id, kind, self.described, self.B, parent))
-        except BlockError as e:
-            if data is not None:
-                self.tier.discard(key, e)
-            e.block_index = index
-            raise
-
-    # -- store ---------------------------------------------------------------
+    # -- store (model thread) ---------------------------------------------------------------
     def store_block(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], caches: list) -> None:
-        if self.tier.in_ram(block_id):
+        if self.tiers.held_in_ram(block_id):
             return
         start = index * self.B
         entries = _host([capture_block(spec, cache, start, start + self.B, self.B)
@@ -174,7 +166,7 @@ class PrefixCache:
 
     def store_state(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], state: list) -> None:
         key = state_key(block_id)
-        if self.tier.in_ram(key):
+        if self.tiers.held_in_ram(key):
             return
         self._put(key, "state", block_id, parent, index * self.B, tokens, _host(state))
         self.counters.checkpoints_stored += 1
@@ -186,11 +178,11 @@ class PrefixCache:
         block = Block(kind=kind, namespace=self.namespace, id=block_id, parent=parent, start=start,
                       tokens=np.asarray(tokens, dtype="<u4"), layout=self.described, dtype=self.dtype,
                       codec=self.codec, entries=entries)
-        self.tier.put(key, block_format.encode(block))
+        self.tiers.put(key, block_format.encode(block))
 
     def stats(self) -> dict:
         return {"block_tokens": self.B, "checkpoint_every": self.every, **self.counters.as_dict(),
-                **self.tier.stats()}
+                **self.tiers.stats()}
 
 
 def _host(entries: list[list[mx.array]]) -> list[list]:
@@ -223,3 +215,4 @@ def layout_byte_sizes(layout: Layout, caches: list) -> tuple[int, int]:
         arrays = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
         per_token += sum(a.nbytes // a.shape[2] for a in arrays)
     return state, per_token
+

@@ -1,6 +1,6 @@
 """BlockSession: the engine's CacheSession backed by a PrefixCache.
 
-It restores the longest cached prefix, makes prefill chunks stop where a
+It restores the prefix the admission stage fetched, makes prefill chunks stop where a
 recurrent checkpoint is due, and after every forward stores each newly
 completed block, prompt or generated, before a sliding window can rotate its
 tokens out. During decode it keeps (by reference, no copy) the recurrent
@@ -14,24 +14,26 @@ import logging
 from typing import Optional
 
 from cluster.families.codecs import CaptureError
-from cluster.kvcache.prefix_cache import PrefixCache
+from cluster.kvcache.prefix_cache import Prefetch, PrefixCache
 from cluster.store.hashing import chain_ids
 
 log = logging.getLogger(__name__)
 
 
 class BlockSession:
-    def __init__(self, cache: PrefixCache, prompt: list[int]):
+    def __init__(self, cache: PrefixCache, prompt: list[int], prefetch: Prefetch):
         self.pc = cache
         self.B = cache.B
         self.prompt = prompt
+        self.prefetch = prefetch
         self.ids: list[bytes] = []
         self.done_blocks = 0  # blocks [0, done_blocks) are stored or known stored
         self.pending_state: Optional[tuple[int, list]] = None
         self.fed: list[int] = []
 
     def restore(self) -> tuple[list, int]:
-        caches, n, self.ids = self.pc.restore(self.prompt)
+        caches, n, self.ids = self.pc.restore(self.prompt, self.prefetch)
+        self.prefetch = None  # its blocks are in the caches now; let the bytes go
         self.done_blocks = n // self.B
         return caches, n
 

@@ -1,4 +1,8 @@
-"""Wire a PrefixCache to a loaded model: layout, measured sizes, fingerprint, RAM tier."""
+"""Wire a PrefixCache to a loaded model: layout, measured shapes, fingerprint, tiers.
+
+`setup_cache` runs a 4-token forward pass, so it belongs on the model thread
+like every other MLX call of a replica.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,17 @@ from typing import Optional
 import mlx.core as mx
 
 from cluster.config import CacheConfig
-from cluster.families.codecs import new_cache
+from cluster.families.codecs import codec_descriptor, new_cache, payload_signature
 from cluster.families.registry import UnsupportedModel, layout_for
 from cluster.families.specs import Layout, Recurrent
-from cluster.kvcache.prefix_cache import PrefixCache, layout_byte_sizes
+from cluster.kvcache.breaker import Breaker
+from cluster.kvcache.disk_client import DiskClient
+from cluster.kvcache.prefix_cache import PrefixCache, Shapes, layout_byte_sizes
+from cluster.kvcache.store_link import StoreLink
+from cluster.kvcache.tiers import Tiers
 from cluster.models.resolve import read_config
+from cluster.store.arrays import dtype_tag
 from cluster.store.fingerprint import Fingerprint, compute_fingerprint
-from cluster.kvcache.disk_client import DiskClient, StoreLink
-from cluster.kvcache.tiers import TieredBlocks
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +38,17 @@ class CacheSetup:
     disabled_reason: Optional[str] = None
 
 
-def probe(model, layout: Layout) -> tuple[mx.Dtype, int, int]:
-    """Run 4 tokens through fresh caches: KV dtype, checkpoint bytes, KV bytes per token."""
+def probe(model, layout: Layout, block_tokens: int) -> Shapes:
+    """Run 4 tokens through fresh caches and read off what blocks of this model hold."""
     caches = [new_cache(spec) for spec in layout.layers]
     model(mx.array([[1, 2, 3, 4]]), cache=caches)
     mx.eval([c.state for c in caches])
     kv = next(c for spec, c in zip(layout.layers, caches) if not isinstance(spec, Recurrent))
     dtype = kv.keys[1].dtype if isinstance(kv.keys, tuple) else kv.keys.dtype
+    signatures = [payload_signature(spec, c, block_tokens) for spec, c in zip(layout.layers, caches)]
     state_bytes, per_token = layout_byte_sizes(layout, caches)
-    return dtype, state_bytes, per_token
+    return Shapes(dtype=dtype_tag(dtype), kv=tuple(s[0] for s in signatures), state=tuple(s[1] for s in signatures),
+                  state_bytes=state_bytes, kv_bytes_per_token=per_token)
 
 
 def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path,
@@ -52,15 +61,16 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
     except UnsupportedModel as e:
         log.warning("%s; serving without KV block reuse", e)
         return CacheSetup(None, None, str(e))
-    dtype, state_bytes, per_token = probe(model, layout)
-    bits = {"q8": 8, "q4": 4}.get(config.kv_codec)
-    fp = compute_fingerprint(model_dir, dtype=str(dtype).removeprefix("mlx.core."), kv_codec=config.kv_codec,
-                             kv_bits=bits, kv_group=config.kv_group_size if bits else None,
-                             block_tokens=config.block_tokens,
+    shapes = probe(model, layout, config.block_tokens)
+    codec = codec_descriptor(config.kv_codec, config.kv_group_size)
+    fp = compute_fingerprint(model_dir, dtype=shapes.dtype, codec=codec, block_tokens=config.block_tokens,
                              chat_template=getattr(tokenizer, "chat_template", None), cache_dir=cache_dir)
-    disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes) if store_link is not None else None
-    tier = TieredBlocks(config.ram_bytes, fp.namespace, disk, listener)
-    cache = PrefixCache(layout, fp.namespace, config, tier, dtype, state_bytes, per_token)
+    disk = None
+    if store_link is not None:
+        disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes, config.store_timeout_s,
+                          config.read_timeout_s, Breaker(config.breaker_failures, config.breaker_cooldown_s))
+    tiers = Tiers(config.ram_bytes, fp.namespace, disk, listener)
+    cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec)
     log.info("KV block cache for %s: namespace %s, layout %s, %d B/token, checkpoint every %d blocks",
-             layout.family, fp.short, layout.describe(), per_token, cache.every)
+             layout.family, fp.short, layout.describe(), shapes.kv_bytes_per_token, cache.every)
     return CacheSetup(cache, fp)

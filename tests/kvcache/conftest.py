@@ -10,7 +10,9 @@ import pytest
 from cluster.config import CacheConfig
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.events import Delta, Finished, Started
-from cluster.engine.sequence import GenerationParams, Sequence
+from cluster.engine.request import GenerationParams
+from cluster.engine.sequence import Sequence
+from cluster.kvcache.admission import Admission
 from cluster.kvcache.session import BlockSession
 from cluster.kvcache.setup import setup_cache
 from cluster.models.resolve import resolve_model
@@ -50,10 +52,11 @@ class Harness:
         return self._run(prompt, max_tokens, ColdSession(self.model, self.pc.new_caches))
 
     def warm(self, prompt, max_tokens=12) -> Run:
-        return self._run(prompt, max_tokens, BlockSession(self.pc, list(prompt)))
+        return self._run(prompt, max_tokens, self.session(prompt))
 
     def session(self, prompt):
-        return BlockSession(self.pc, list(prompt))
+        """The admission stage (lookups, reads, checks), then a session restoring what it fetched."""
+        return BlockSession(self.pc, list(prompt), Admission(self.pc).fetch(list(prompt)))
 
     def run_with(self, prompt, session, max_tokens=12) -> Run:
         return self._run(prompt, max_tokens, session)
@@ -84,12 +87,12 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 @pytest.fixture
 def disk_harness(load_builtin, data_dir, tmp_path):
     """A Harness whose cache also has a real disk tier (in-process DiskStore) and a tiny RAM tier."""
-    from cluster.kvcache.disk_client import LocalLink
+    from cluster.kvcache.store_link import LocalLink
     from cluster.store.disk_tier import DiskStore
 
-    def make(name: str, ram_bytes: int = 1 << 30, node_dir=None, events=None, **kw) -> Harness:
+    def make(name: str, ram_bytes: int = 1 << 30, node_dir=None, events=None, budget=1 << 30, **kw) -> Harness:
         model, tok = load_builtin(name)
-        store = DiskStore(node_dir or tmp_path / "node", budget=1 << 30,
+        store = DiskStore(node_dir or tmp_path / "node", budget=budget,
                           listener=events.append if events is not None else None)
         h = Harness.__new__(Harness)
         h.model, h.tok, h.B, h.step = model, tok, kw.get("block_tokens", 32), kw.get("prefill_step", 64)

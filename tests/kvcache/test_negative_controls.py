@@ -4,6 +4,7 @@ and damaged blocks at the replica are misses that still give the right answer.""
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from cluster.kvcache.admission import Admission
 from cluster.kvcache.session import BlockSession
 from cluster.store.hashing import chain_ids, state_key
 from tests.kvcache.conftest import prompt_of
@@ -13,7 +14,7 @@ B = 32
 
 class Tampered(BlockSession):
     def __init__(self, cache, prompt, tamper):
-        super().__init__(cache, prompt)
+        super().__init__(cache, prompt, Admission(cache).fetch(prompt))
         self.tamper = tamper
 
     def restore(self):
@@ -62,14 +63,11 @@ def test_recurrent_checkpoint_from_the_wrong_position_is_detected(harness, name)
     h.warm(prompt, max_tokens=2)  # checkpoints at several block ends
 
     def earlier_state(caches, n):
-        from cluster.store import block_format
         from cluster.store.arrays import to_mlx
         ids = chain_ids(h.pc.namespace, prompt, B)
         j = n // B - 1
-        k = next(i for i in range(j - 1, -1, -1) if h.pc.tier.exists(state_key(ids[i])))
-        parent = ids[k - 1] if k else h.pc.namespace
-        blk = block_format.decode(h.pc.tier.get(state_key(ids[k])),
-                                  block_format.Expect(h.pc.namespace, ids[k], "state", h.pc.described, B, parent))
+        k = next(i for i in range(j - 1, -1, -1) if h.pc.tiers.held_in_ram(state_key(ids[i])))
+        blk = h.pc.decode(h.pc.tiers.ram.get(state_key(ids[k])), "state", k, ids)
         for c, arrays in zip(caches, blk.entries):
             if type(c) is ArraysCache:
                 c.cache = [to_mlx(a) for a in arrays]
@@ -79,13 +77,13 @@ def test_recurrent_checkpoint_from_the_wrong_position_is_detected(harness, name)
 
 
 def corrupt_block(h, key, how):
-    data = bytearray(h.pc.tier.get(key))
-    h.pc.tier.remove(key)
+    data = bytearray(h.pc.tiers.ram.get(key))
+    h.pc.tiers.ram.discard(key)
     if how == "flip":
         data[-7] ^= 0x10
     elif how == "truncate":
         data = data[: len(data) // 2]
-    h.pc.tier.put(key, bytes(data))
+    h.pc.tiers.ram.put(key, bytes(data))
 
 
 @pytest.mark.parametrize("how,reason", [("flip", "payload"), ("truncate", "truncated")])
@@ -109,8 +107,8 @@ def test_foreign_block_under_our_id_is_refused(harness):
     h.warm(prompt, max_tokens=2)
     other.warm(prompt, max_tokens=2)
     ids, foreign_ids = chain_ids(h.pc.namespace, prompt, B), chain_ids(other.pc.namespace, prompt, B)
-    h.pc.tier.remove(ids[0])
-    h.pc.tier.put(ids[0], other.pc.tier.get(foreign_ids[0]))
+    h.pc.tiers.ram.discard(ids[0])
+    h.pc.tiers.ram.put(ids[0], other.pc.tiers.ram.get(foreign_ids[0]))
     warm, cold = h.warm(prompt), h.cold(prompt)
     assert warm.cached == 0 and h.pc.counters.corrupt["namespace"] == 1
     h.assert_same(warm, cold)

@@ -1,0 +1,134 @@
+"""Admission: find and fetch a prompt's cached prefix before the sequence joins the model thread.
+
+The model thread must never wait on Ray or the disk: one slow store would stall
+every sequence decoding on it. So every lookup and read happens here, on an
+admission thread, and the model thread receives ready, verified blocks.
+
+    chain ids -> which leading blocks RAM, then the disk, hold (one lookup each)
+              -> (hybrids) which checkpoints exist
+              -> plan n -> read what n needs (RAM, then one batched disk read)
+              -> decode and check every block against the model (shape, dtype, ...)
+              -> a refused or unreadable block shrinks the plan; retry with what is left
+
+Bounds: each store call has its own timeout and goes through a circuit breaker
+(disk_client.py), and the whole stage has a deadline (`fetch_async`): past it
+the request is simply prefilled cold. A block refused here is discarded from
+every tier and counted by reason, like one refused on the model thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from typing import Optional
+
+from cluster.kvcache.prefix_cache import Prefetch, PrefixCache
+from cluster.store.block_format import BlockError
+from cluster.store.contract import leading
+from cluster.store.hashing import chain_ids, state_key
+
+log = logging.getLogger(__name__)
+
+ROUNDS = 4  # plan -> fetch attempts; each failed one strictly shrinks the plan
+
+
+class Admission:
+    def __init__(self, cache: PrefixCache, executor: Optional[Executor] = None, deadline_s: float = 15.0):
+        self.cache = cache
+        self.executor = executor
+        self.deadline_s = deadline_s
+        self.timeouts = 0
+
+    async def fetch_async(self, prompt: list[int]) -> Prefetch:
+        """`fetch` on the admission executor, bounded by the stage deadline; any trouble means cold."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self.executor, self.fetch, prompt), self.deadline_s)
+        except asyncio.TimeoutError:
+            self.timeouts += 1
+            log.warning("admission took longer than %.1fs; prefilling cold", self.deadline_s)
+        except Exception:  # never fail a request because its cache lookup failed
+            log.exception("admission failed; prefilling cold")
+        return Prefetch(ids=chain_ids(self.cache.namespace, prompt, self.cache.B))
+
+    def fetch(self, prompt: list[int]) -> Prefetch:
+        """Look up, read and decode the longest restorable prefix of `prompt` (blocking; not on the model thread)."""
+        pc, planner = self.cache, self.cache.planner
+        pc.counters.lookups += 1
+        ids = chain_ids(pc.namespace, prompt, pc.B)
+        want = ids[:planner.usable_blocks(len(prompt))]
+        hit = self._leading(want)
+        checkpoints = self._checkpoints(ids, len(prompt), hit)
+        blocks: dict = {}
+        sources = {"ram": 0, "disk": 0}
+        for _ in range(ROUNDS):
+            n = planner.best(len(prompt), hit, checkpoints)
+            if not n:
+                break
+            reads = planner.reads(ids, n)
+            bad = self._fetch([r for r in reads if r[2] not in blocks], ids, blocks, sources)
+            if not bad:
+                return Prefetch(ids=ids, n=n, blocks={k: blocks[k] for _, _, k in reads},
+                                from_ram=sources["ram"], from_disk=sources["disk"])
+            for kind, j in bad:  # shrink: nothing at or after a bad block, no bad checkpoint
+                if kind == "kv":
+                    hit = min(hit, j)
+                else:
+                    checkpoints.discard(j + 1)
+        return Prefetch(ids=ids)
+
+    # -----------------------------------------------------------------------------------
+    def _leading(self, keys: list[bytes]) -> int:
+        """Leading blocks held by RAM, then continued by the disk."""
+        tiers = self.cache.tiers
+        hit = leading(tiers.ram.present(keys))
+        if tiers.disk is not None and hit < len(keys):
+            hit += leading(tiers.disk.present(keys[hit:]))
+        return hit
+
+    def _checkpoints(self, ids: list[bytes], prompt_len: int, hit: int) -> set[int]:
+        """Block counts j whose end-of-block checkpoint some tier holds."""
+        ends = self.cache.planner.checkpoint_ends(prompt_len, hit)
+        if not ends:
+            return set()
+        keys = [state_key(ids[j - 1]) for j in ends]
+        found = self.cache.tiers.ram.present(keys)
+        disk = self.cache.tiers.disk
+        missing = [i for i, f in enumerate(found) if not f]
+        if disk is not None and missing:
+            for i, f in zip(missing, disk.present([keys[i] for i in missing])):
+                found[i] = f
+        return {j for j, f in zip(ends, found) if f}
+
+    def _fetch(self, reads: list[tuple[str, int, bytes]], ids: list[bytes], blocks: dict,
+               sources: dict) -> list[tuple[str, int]]:
+        """Read and decode `reads` into `blocks`; return the (kind, index) of those that failed."""
+        tiers, pc = self.cache.tiers, self.cache
+        keys = [k for _, _, k in reads]
+        datas = tiers.ram.get_many(keys)
+        in_ram = [k for k, d in zip(keys, datas) if d is not None]
+        sources["ram"] += len(in_ram)
+        missing = [i for i, d in enumerate(datas) if d is None]
+        if tiers.disk is not None:
+            tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too
+            if missing:
+                for i, data in zip(missing, tiers.disk.get_many([keys[i] for i in missing])):
+                    if data is not None:
+                        datas[i] = data
+                        sources["disk"] += 1
+                        tiers.ram.put(keys[i], data)  # promoted: the next turn finds it in RAM
+        bad = []
+        for (kind, j, key), data in zip(reads, datas):
+            if data is None:
+                bad.append((kind, j))
+                continue
+            try:
+                blocks[key] = pc.decode(data, kind, j, ids)
+            except Exception as e:  # any failure is a miss; a well-formed but wrong block is refused too
+                reason = e.reason if isinstance(e, BlockError) else "unexpected"
+                log.warning("cached block %d (%s) refused (%s): %s; treating it as a miss", j, kind, reason, e)
+                pc.counters.refused(reason)
+                tiers.discard(key, reason, str(e))
+                bad.append((kind, j))
+        return bad

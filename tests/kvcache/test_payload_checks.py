@@ -1,0 +1,107 @@
+"""A well-formed block that is wrong inside is refused: every checksum, the id and the parent pass,
+but its payload does not fit the model. Each check has a negative control, and the answer stays exact."""
+
+import numpy as np
+import pytest
+
+from cluster.kvcache import prefix_cache
+from cluster.store import block_format
+from cluster.store.block_format import Block
+from cluster.store.hashing import chain_ids
+from tests.kvcache.conftest import prompt_of
+
+B = 32
+
+
+def reencode(h, key, ids, index, **change) -> None:
+    """Replace block `index` in RAM by a re-encoded copy with `change` applied (checksums all valid)."""
+    blk = h.pc.decode(h.pc.tiers.ram.get(key), "kv", index, ids)
+    fields = dict(kind=blk.kind, namespace=blk.namespace, id=blk.id, parent=blk.parent, start=blk.start,
+                  tokens=blk.tokens, layout=blk.layout, dtype=blk.dtype, codec=blk.codec,
+                  entries=[[(t, np.array(a)) for t, a in arrays] for arrays in blk.entries])
+    fields.update(change)
+    h.pc.tiers.ram.discard(key)
+    h.pc.tiers.ram.put(key, bytes(block_format.encode(Block(**fields))))
+
+
+def half_rows(entries):
+    (tag, k), v = entries[0]
+    return [[(tag, np.ascontiguousarray(k[:, :, :B // 2, :])), v]] + entries[1:]
+
+
+def as_float16(entries):
+    return [[("float16", a.astype(np.float16)) for _, a in arrays] for arrays in entries]
+
+
+@pytest.mark.parametrize("reason,change", [
+    ("shape", lambda blk: {"entries": half_rows(blk["entries"])}),  # one layer's K with 16 rows, not 32
+    ("dtype", lambda blk: {"entries": as_float16(blk["entries"]), "dtype": "float16"}),
+    ("start", lambda blk: {"start": 2 * B}),
+    ("codec", lambda blk: {"codec": ["native", 99, None, None]}),
+])
+def test_a_block_that_does_not_fit_the_model_is_refused(harness, reason, change):
+    h = harness("tiny-dense", block_tokens=B)
+    prompt = prompt_of(150)
+    h.warm(prompt, max_tokens=2)
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    blk = h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+    reencode(h, ids[1], ids, 1, **change({"entries": [[(t, np.array(a)) for t, a in e] for e in blk.entries]}))
+    with pytest.raises(block_format.BlockError):  # the envelope itself is sound; only the model checks refuse it
+        h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+    warm, cold = h.warm(prompt), h.cold(prompt)
+    assert warm.cached == B  # block 0 only
+    assert h.pc.counters.corrupt[reason] == 1
+    assert sum(h.pc.counters.corrupt.values()) == 1
+    h.assert_same(warm, cold)
+    assert h.warm(prompt).cached == 4 * B  # the refused block was dropped and recomputed
+
+
+def test_negative_control_the_same_block_unchanged_is_restored(harness):
+    h = harness("tiny-dense", block_tokens=B)
+    prompt = prompt_of(150)
+    h.warm(prompt, max_tokens=2)
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    reencode(h, ids[1], ids, 1)  # re-encoded, nothing changed
+    assert h.warm(prompt).cached == 4 * B and sum(h.pc.counters.corrupt.values()) == 0
+
+
+def test_an_unexpected_exception_while_restoring_is_a_miss_and_drops_the_blocks(harness, monkeypatch):
+    h = harness("tiny-swa", block_tokens=B)
+    prompt = prompt_of(200)
+    h.warm(prompt, max_tokens=2)
+    real = prefix_cache.restore_entry
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise IndexError("a bug in a codec")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_cache, "restore_entry", broken)
+    discarded = h.pc.tiers.ram.stats()["discarded"]
+    warm = h.warm(prompt)
+    monkeypatch.setattr(prefix_cache, "restore_entry", real)
+    cold = h.cold(prompt)
+    assert warm.cached == 0 and h.pc.counters.corrupt["unexpected"] == 1
+    assert h.pc.tiers.ram.stats()["discarded"] == discarded + 6  # every block of the plan, never served again
+    h.assert_same(warm, cold)
+    assert h.warm(prompt).cached == 192  # recomputed and stored again
+
+
+def test_an_unexpected_exception_while_decoding_is_a_miss(harness, monkeypatch):
+    h = harness("tiny-dense", block_tokens=B)
+    prompt = prompt_of(150)
+    h.warm(prompt, max_tokens=2)
+    real = h.pc.decode
+
+    def broken(data, kind, index, ids):
+        if index == 2:
+            raise KeyError("a decoder bug")
+        return real(data, kind, index, ids)
+
+    monkeypatch.setattr(h.pc, "decode", broken)
+    warm = h.warm(prompt)
+    monkeypatch.setattr(h.pc, "decode", real)
+    assert warm.cached == 2 * B and h.pc.counters.corrupt["unexpected"] == 1
+    h.assert_same(warm, h.cold(prompt))
