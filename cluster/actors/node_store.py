@@ -17,20 +17,20 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Optional
 
 import msgpack
 
-from cluster.store.disk_tier import BlockEvent, DiskStore
+from cluster.store.block_files import ReadFailure
+from cluster.store.disk_tier import DiskStore
+from cluster.store.events import EventBatch
+from cluster.store.keys import node_stats_key
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "mlx-fleet"
-NODE_KEY_PREFIX = "mlxf:node:"
 LEASE_TTL_S = 120.0
-EVENTS_KEPT = 100_000
 
 
 def store_name(node_id: str) -> str:
@@ -41,10 +41,7 @@ class NodeStore:
     def __init__(self, node_id: str, node_dir: str, budget: Optional[int], redis_url: Optional[str],
                  stats_ttl_s: float = 6.0):
         self.node_id = node_id
-        self.events: deque[tuple[int, BlockEvent]] = deque(maxlen=EVENTS_KEPT)
-        self._seq = 0
-        self._event_lock = threading.Lock()
-        self.disk = DiskStore(Path(node_dir), budget, listener=self._on_event)
+        self.disk = DiskStore(Path(node_dir), budget)
         self._leases: dict[int, tuple[bytes, list[bytes], float]] = {}
         self._next_lease = 0
         self._stop = threading.Event()
@@ -57,8 +54,20 @@ class NodeStore:
     async def write(self, ns: bytes, items: list) -> dict:
         return await asyncio.to_thread(self.disk.write_many, [(ns, k, d) for k, d in items])
 
-    async def contains(self, ns: bytes, keys: list[bytes]) -> list[bool]:
-        return self.disk.contains(ns, keys)
+    async def present(self, ns: bytes, keys: list[bytes]) -> list[bool]:
+        return self.disk.present(ns, keys)
+
+    async def keys(self, ns: bytes) -> list[bytes]:
+        return self.disk.keys(ns)
+
+    async def touch(self, ns: bytes, keys: list[bytes]) -> int:
+        return await asyncio.to_thread(self.disk.touch, ns, keys)
+
+    def quarantine(self, ns: bytes, key: bytes, reason: str, detail: str) -> None:
+        """A replica refused this block at decode. Synchronous on purpose: a spill of the
+        recomputed block, sent right after, must find the bad one already gone."""
+        if self.disk.present(ns, [key])[0]:
+            self.disk.quarantine(ns, key, reason, detail)
 
     async def open_read(self, ns: bytes, keys: list[bytes], ttl_s: float = LEASE_TTL_S) -> tuple[int, list]:
         located = self.disk.open_read(ns, keys)
@@ -66,31 +75,25 @@ class NodeStore:
         self._leases[self._next_lease] = (ns, [k for k, loc in zip(keys, located) if loc], time.monotonic() + ttl_s)
         return self._next_lease, located
 
-    async def close_read(self, lease: int, good: list[bytes], bad: list[tuple[bytes, str, str]]) -> None:
+    async def close_read(self, lease: int, good: list[bytes], failed: list[ReadFailure]) -> None:
         entry = self._leases.pop(lease, None)
         if entry is None:
             return  # expired: its pins were already released
         ns, pinned, _ = entry
-        await asyncio.to_thread(self.disk.close_read, ns, pinned, good, bad)
+        await asyncio.to_thread(self.disk.close_read, ns, pinned, good, failed)
 
     # -- inspection -------------------------------------------------------------------
     async def stats(self) -> dict:
         return {"node_id": self.node_id, "read_leases": len(self._leases), **self.disk.stats()}
 
-    async def events_since(self, seq: int, limit: int = 10_000) -> tuple[int, list[BlockEvent]]:
-        with self._event_lock:
-            out = [e for s, e in self.events if s > seq][:limit]
-            return (seq + len(out)) if out else seq, out
+    async def events_since(self, cursor: int, epoch: Optional[str] = None, limit: int = 10_000) -> EventBatch:
+        """Block events after `cursor`, exactly once, or with `gap` set (see store/events.py)."""
+        return self.disk.events.since(cursor, limit, epoch)
 
     async def ping(self) -> str:
         return self.node_id
 
     # -----------------------------------------------------------------------------------
-    def _on_event(self, event: BlockEvent) -> None:
-        with self._event_lock:
-            self._seq += 1
-            self.events.append((self._seq, event))
-
     def _maintain(self) -> None:
         """Expire read leases of readers that died, and publish stats to Redis."""
         client = self._publish(None) if self._redis_url else None
@@ -110,7 +113,7 @@ class NodeStore:
         try:
             client = client or connect(self._redis_url)
             payload = {"node_id": self.node_id, "renewed": time.time(), **self.disk.stats()}
-            client.set(NODE_KEY_PREFIX + self.node_id, msgpack.packb(payload), px=int(self._stats_ttl_s * 1000))
+            client.set(node_stats_key(self.node_id), msgpack.packb(payload), px=int(self._stats_ttl_s * 1000))
         except redis.RedisError as e:
             log.debug("could not publish node stats: %s", e)
             client = None

@@ -9,23 +9,10 @@ Temperature 0 is argmax, deterministic by construction.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from cluster.engine.request import SamplingParams
 
 
 class Sampler:
@@ -33,8 +20,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self._key = mx.random.key(seed & 0xFFFFFFFF)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._key = mx.random.key(seed % (1 << 64))  # int64 -> uint64, one to one: distinct seeds, distinct keys
 
     def __call__(self, logits: mx.array) -> mx.array:
         """`logits` is [1, vocab]; returns a [1] token array (lazy)."""

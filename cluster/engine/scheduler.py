@@ -1,9 +1,12 @@
-"""Runs every sequence of one replica on a single model thread.
+"""The model thread: it owns the replica's MLX work and runs every sequence on it.
 
-MLX work stays on one thread (the model and its caches are not shared across
-threads), and the asyncio loop that talks to Ray never blocks on it. Active
-sequences are advanced round-robin, one step each: a long prefill is cut into
-chunks and other requests' tokens flow between them.
+MLX work stays on this one thread (see model_thread.py): loading the model,
+probing it, restoring caches, capturing blocks and generating. Everything that
+waits - Ray, Redis, the disk - happens before a sequence is submitted (the
+admission stage), so nothing here ever blocks on I/O, and the asyncio loop that
+talks to Ray never blocks on this thread. Active sequences are advanced
+round-robin, one step each: a long prefill is cut into chunks and other
+requests' tokens flow between them.
 """
 
 from __future__ import annotations
@@ -11,16 +14,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from concurrent.futures import Future
+from typing import Callable, TypeVar
 
-import mlx.core as mx
-
+from cluster.engine import model_thread
 from cluster.engine.events import Event, Failed
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 Emit = Callable[[list[Event]], None]
+T = TypeVar("T")
 
 
 class Scheduler:
@@ -31,7 +35,7 @@ class Scheduler:
         self._active: dict[str, tuple[Sequence, Emit]] = {}
         self._stopping = False
         self.steps = 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
     @property
@@ -49,15 +53,40 @@ class Scheduler:
         self._inbox.put(("cancel", request_id, None, None))
 
     def call(self, fn: Callable[[], object]) -> None:
-        """Run `fn` on the model thread between steps (e.g. cache maintenance)."""
+        """Run `fn` on the model thread between steps, without waiting for it."""
         self._inbox.put(("call", "", fn, None))
+
+    def run(self, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """Run `fn` on the model thread and return its result (or raise its exception).
+
+        For setup (loading the model, probing it); never call it from the model thread."""
+        future: Future = Future()
+
+        def task():
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+
+        self.call(task)
+        return future.result(timeout_s)
 
     def stop(self) -> None:
         self._stopping = True
         self._inbox.put(("stop", "", None, None))
         self._thread.join(timeout=10)
 
+    def _main(self) -> None:
+        model_thread.claim()
+        try:
+            self._run()
+        finally:
+            model_thread.release()
+
     def _run(self) -> None:
+        import mlx.core as mx
+
         while not self._stopping:
             self._drain(block=not self._active)
             for request_id, (seq, emit) in list(self._active.items()):

@@ -14,24 +14,31 @@ Python.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import mlx.core as mx
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
+from cluster.engine import model_thread
 from cluster.engine.events import Delta, Event, Finished, Started
-from cluster.engine.sampling import Sampler, SamplingParams
+from cluster.engine.request import GenerationParams
+from cluster.engine.sampling import Sampler
 from cluster.engine.stops import StopMatcher
 
 
-@dataclass(frozen=True)
-class GenerationParams:
-    """Per-request limits and sampling."""
+def detokenizer(tokenizer, trim_leading_space: bool):
+    """A fresh streaming detokenizer; with trim_leading_space=False it keeps the first token's space.
 
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    record_logits: bool = False  # keep each step's logits (tests compare them across runs)
+    mlx-lm's BPE and SentencePiece streaming detokenizers drop a leading space
+    while their text is empty (what a chat reply wants). A text completion must
+    be the exact continuation of its prompt, so there their text starts with a
+    placeholder that the read offset already skips: it is never empty, and
+    nothing is trimmed. (The naive detokenizer decodes with the tokenizer and
+    trims nothing.)"""
+    detok = tokenizer.detokenizer
+    if not trim_leading_space and isinstance(detok, (BPEStreamingDetokenizer, SPMStreamingDetokenizer)):
+        detok.text, detok.offset = "\0", 1
+    return detok
 
 
 class CacheSession(Protocol):
@@ -63,9 +70,9 @@ class Sequence:
         self.session = session
         self.prefill_step = prefill_step
         self.eos = set(tokenizer.eos_token_ids)
-        self.detok = tokenizer.detokenizer
+        self.detok = detokenizer(tokenizer, params.trim_leading_space)
         self.stops = StopMatcher(list(params.stop))
-        self.sampler = Sampler(params.sampling)
+        self.sampler: Optional[Sampler] = None  # made on the model thread: it holds an MLX key
         self.cache: Optional[list] = None
         self.fed: list[int] = []
         self.generated: list[int] = []
@@ -79,7 +86,9 @@ class Sequence:
     # -- stepping ---------------------------------------------------------
     def step(self) -> list[Event]:
         """Advance by one prefill chunk or one token; return the events it produced."""
+        model_thread.check("Sequence.step")
         if self.cache is None:
+            self.sampler = Sampler(self.params.sampling)
             self.cache, self.cached_tokens = self.session.restore()
             self.fed = self.prompt[: self.cached_tokens]
         last = len(self.prompt) - 1

@@ -6,9 +6,9 @@ from mlx_lm.generate import generate_step
 
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.events import Delta, Finished, Started
-from cluster.engine.sampling import SamplingParams
+from cluster.engine.request import GenerationParams, SamplingParams
 from cluster.engine.scheduler import Scheduler
-from cluster.engine.sequence import GenerationParams, Sequence
+from cluster.engine.sequence import Sequence
 
 PROMPT = list(range(3, 150))
 
@@ -90,3 +90,28 @@ def test_interleaved_requests_equal_solo_runs(load_builtin):
     assert done.wait(60)
     scheduler.stop()
     assert [tokens(got[i]) for i in range(len(prompts))] == solo
+
+
+WORDS = ("the cache of a fleet keeps every block of the prompt in memory and on disk so that the next "
+         "request with the same prefix starts at once ") * 12
+
+
+def streamed_text(model, tok, prompt, trim: bool) -> tuple[str, list[int]]:
+    events = run(Sequence(prompt, GenerationParams(max_tokens=24, trim_leading_space=trim), model, tok,
+                          ColdSession(model)))
+    return "".join(e.text for e in events if isinstance(e, Delta)), tokens(events)
+
+
+def test_a_completion_is_exactly_the_decoded_continuation(load_builtin):
+    model, tok = load_builtin("tiny-swa")
+    prompt = tok.encode(WORDS)
+    text, ids = streamed_text(model, tok, prompt, trim=False)
+    assert tok.decode(ids).startswith(" ")  # the case that matters: the first token carries a space
+    assert text == tok.decode(ids)
+    assert tok.decode(prompt) + text == tok.decode(prompt + ids)
+
+
+def test_a_chat_reply_drops_the_leading_space_as_mlx_lm_does(load_builtin):
+    model, tok = load_builtin("tiny-swa")
+    text, ids = streamed_text(model, tok, tok.encode(WORDS), trim=True)
+    assert text == tok.decode(ids)[1:]

@@ -1,0 +1,85 @@
+"""The model thread owns MLX: a debug guard that fails when MLX work runs on any other thread.
+
+Since mlx 0.31.2 streams are thread-local. On Metal, arrays made on one thread
+and evaluated on another fail with "There is no Stream(gpu, N) in current
+thread" (mlx #3727, mlx-lm #1181). So, as in mlx_lm.server, every MLX call of a
+replica - load, probe, restore, capture, generate - runs on its one model
+thread. The CPU backend, the only one tested here, does not raise, so this
+guard makes the rule visible off a Mac:
+
+- a model thread `claim()`s ownership when it starts and `release()`s it at
+  the end;
+- `check(what)` at our own MLX entry points raises WrongThread off a model
+  thread;
+- with MLX_FLEET_THREAD_GUARD=1 (the tests set it), `mx.eval` and
+  `mx.async_eval` are wrapped too, so any evaluation anywhere - ours or
+  mlx-lm's - is checked while a model thread exists in the process.
+
+With no model thread claimed (a script, a test driving the engine directly),
+nothing is checked. The guard is off in production: it costs a dict lookup per
+eval, and the rule is enforced by structure, not by the guard.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+GUARD_ENV = "MLX_FLEET_THREAD_GUARD"
+
+_owners: dict[int, str] = {}
+_lock = threading.Lock()
+_installed = False
+
+
+class WrongThread(RuntimeError):
+    """MLX work ran outside the replica's model thread (fatal on Metal)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(GUARD_ENV) == "1"
+
+
+def claim() -> None:
+    """Make the calling thread a model thread."""
+    with _lock:
+        _owners[threading.get_ident()] = threading.current_thread().name
+    if enabled():
+        _install()
+
+
+def release() -> None:
+    with _lock:
+        _owners.pop(threading.get_ident(), None)
+
+
+def on_model_thread() -> bool:
+    return threading.get_ident() in _owners
+
+
+def check(what: str) -> None:
+    """Raise WrongThread if a model thread exists and this is not one."""
+    if _owners and threading.get_ident() not in _owners:
+        raise WrongThread(f"{what} ran on thread {threading.current_thread().name!r}, but MLX work belongs on the "
+                          f"model thread ({', '.join(sorted(_owners.values()))}); on Metal this fails with "
+                          "'There is no Stream(gpu, N) in current thread'")
+
+
+def _install() -> None:
+    """Wrap mx.eval / mx.async_eval with the check (once per process)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import mlx.core as mx
+
+        for name in ("eval", "async_eval"):
+            original = getattr(mx, name)
+
+            def guarded(*args, _original=original, _name=name, **kwargs):
+                check(f"mx.{_name}")
+                return _original(*args, **kwargs)
+
+            guarded.__wrapped__ = original
+            setattr(mx, name, guarded)
+        _installed = True

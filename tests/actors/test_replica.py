@@ -1,0 +1,120 @@
+"""ModelReplica in this process (no Ray): all its MLX work runs on the model thread, and a stalled
+node store never holds up tokens of a sequence that is already decoding."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from cluster.actors.replica import ModelReplica
+from cluster.config import AppConfig, CacheConfig, ModelSpec
+from cluster.engine.events import Accepted, Delta, Finished, Started
+from cluster.engine.request import GenerateRequest, GenerationParams
+from cluster.kvcache.store_link import LocalLink
+from cluster.store.disk_tier import DiskStore
+
+PROMPT = tuple(range(3, 120))
+STALL_S = 10.0
+
+
+def request(rid: str, prompt=PROMPT, max_tokens: int = 8) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_tokens=tuple(prompt), params=GenerationParams(max_tokens=max_tokens))
+
+
+async def collect(replica, req) -> list:
+    return [e async for events in replica.generate(req) for e in events]
+
+
+def tokens(events) -> list[int]:
+    return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+
+
+@pytest.fixture
+def app(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_FLEET_NODE_DATA_DIR", str(tmp_path / "node"))
+    spec = ModelSpec(name="tiny-dense", source="tiny-dense")
+    return AppConfig(models=[spec], data_dir=str(data_dir), cache=CacheConfig(block_tokens=32, disk=False))
+
+
+def test_a_replica_loads_and_serves_with_every_mlx_call_on_its_model_thread(app):
+    replica = ModelReplica(app.models[0], app)  # the guard is armed: any MLX call elsewhere would raise
+    try:
+        first = asyncio.run(collect(replica, request("a")))
+        again = asyncio.run(collect(replica, request("b")))
+        assert isinstance(first[0], Accepted) and isinstance(first[-1], Finished)
+        assert next(e for e in again if isinstance(e, Started)).cached_tokens == 96
+        assert tokens(first) == tokens(again) and len(tokens(first)) == 8
+        assert replica.stats()["healthy"] and replica.stats()["finished"] == 2
+    finally:
+        replica.__del__()
+
+
+class StallingLink(LocalLink):
+    """A node store that stops answering while `stalled` is set (a fault: a hung or swapping store)."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.stalled = threading.Event()
+
+    def _stall(self):
+        if self.stalled.is_set():
+            time.sleep(STALL_S)
+
+    def present(self, ns, keys, timeout_s=None):
+        self._stall()
+        return super().present(ns, keys, timeout_s)
+
+    def open_read(self, ns, keys, timeout_s=None):
+        self._stall()
+        return super().open_read(ns, keys, timeout_s)
+
+
+class ReplicaWithStallingStore(ModelReplica):
+    link: StallingLink
+
+    def _disk_link(self, app):
+        ReplicaWithStallingStore.link = StallingLink(DiskStore(self.node.data_dir / "disk", budget=1 << 30))
+        return ReplicaWithStallingStore.link
+
+
+def test_a_stalled_node_store_does_not_delay_a_decoding_sequence(app):
+    app = app.model_copy(update={"cache": CacheConfig(block_tokens=32, disk=True)})
+    replica = ReplicaWithStallingStore(app.models[0], app)
+
+    async def scenario():
+        arrivals: list[float] = []
+        decoding = asyncio.Event()
+
+        async def long_decode():
+            stream = replica.generate(request("long", max_tokens=6000))
+            async for events in stream:
+                if any(isinstance(e, Delta) for e in events):
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 5:
+                        decoding.set()
+                if b_done.is_set():
+                    break
+            await stream.aclose()  # the client went away: the replica cancels the sequence
+
+        b_done = asyncio.Event()
+        a = asyncio.create_task(long_decode())
+        await decoding.wait()
+        ReplicaWithStallingStore.link.stalled.set()  # from now on the store hangs for 10 s per call
+        t0 = time.monotonic()
+        b = await collect(replica, request("other", prompt=range(500, 600)))
+        t1 = time.monotonic()
+        b_done.set()
+        await a
+        return arrivals, t0, t1, b
+
+    try:
+        arrivals, t0, t1, b = asyncio.run(scenario())
+    finally:
+        ReplicaWithStallingStore.link.stalled.clear()
+        replica.__del__()
+    assert t1 - t0 >= STALL_S * 0.9  # the new request did wait for the stalled store (in admission)
+    assert isinstance(b[-1], Finished)
+    during = [t for t in arrivals if t0 <= t <= t1]
+    gaps = [y - x for x, y in zip(during, during[1:])]
+    assert len(during) > 50 and max(gaps) < 1.0, f"decode stalled: {len(during)} tokens, max gap {max(gaps):.2f}s"
