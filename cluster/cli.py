@@ -130,7 +130,7 @@ def cmd_down(a: argparse.Namespace) -> int:
 def cmd_status(a: argparse.Namespace) -> int:
     from cluster.fleet.launcher import connect
     from cluster.fleet.state import load_state
-    from cluster.fleet.status import fleet_status
+    from cluster.status import fleet_status
 
     data_dir = a.data_dir or default_data_dir()
     state = load_state(data_dir)

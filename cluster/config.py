@@ -58,6 +58,17 @@ class CacheConfig(_Config):
         256 << 20, ge=1 << 20,
         description="Bytes of blocks a replica may have waiting for the disk; beyond it the oldest pending spill is dropped (and counted) so generation never waits on the disk.",
     )
+    store_timeout_s: float = Field(
+        2.0, gt=0,
+        description="Deadline for one call to the node's disk store while admitting a request (a lookup, or opening a read). A slower store is a miss for that request, never a stall of the model thread.",
+    )
+    read_timeout_s: float = Field(10.0, gt=0, description="Deadline for reading one restore's block files from the node's disk.")
+    admission_timeout_s: float = Field(
+        15.0, gt=0,
+        description="Deadline for the whole admission stage of a request (lookups, reads, checks); past it the request is prefilled cold.",
+    )
+    breaker_failures: int = Field(3, ge=1, description="Consecutive failed calls to the node store after which it is not asked again for breaker_cooldown_s.")
+    breaker_cooldown_s: float = Field(10.0, gt=0, description="How long an unresponsive node store is skipped before one trial call.")
     checkpoint_overhead: float = Field(
         0.5, ge=0,
         description="Hybrid models: a recurrent-state checkpoint is stored every k-th block, with k the smallest interval whose checkpoints add at most this fraction to the KV bytes of those k blocks (real hybrids' checkpoints are tens of MiB). The last full block of every prompt and of every finished reply always gets one. 0 = only those.",
@@ -88,6 +99,11 @@ class ModelSpec(_Config):
             raise ValueError(f"model name {v!r} must be 1-128 characters of letters, digits and ._:/- ; pass NAME=SOURCE to choose one")
         return v
 
+    @property
+    def deployment(self) -> str:
+        """Its Serve deployment's name."""
+        return "model-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", self.name)
+
     @classmethod
     def parse(cls, text: str, **overrides) -> "ModelSpec":
         """`NAME=SOURCE` or just `SOURCE` (a local path is named after its directory)."""
@@ -101,7 +117,18 @@ class ModelSpec(_Config):
 
 
 class GatewayConfig(_Config):
-    """The HTTP gateway: limits and how it waits for replicas."""
+    """The HTTP gateway: replicas, limits, API keys and how it waits for replicas."""
+
+    replicas: int = Field(2, ge=1, le=64, description="Gateway replicas. Two or more, so losing one does not take the endpoint down.")
+    max_body_bytes: int = Field(
+        16 << 20, ge=1024, le=1 << 30,
+        description="Largest request body in bytes, counted on the bytes actually received (chunked or not); larger gets 413.",
+    )
+    api_keys_file: Optional[str] = Field(
+        None,
+        description="A file of API keys, one per line, readable where the gateway runs. With keys set (here or in MLX_FLEET_API_KEYS, comma-separated) every endpoint but /health needs 'Authorization: Bearer <key>'.",
+    )
+    tokenizer_threads: int = Field(4, ge=1, le=64, description="Threads per gateway replica that tokenize and template prompts, off the event loop.")
 
     assign_timeout_s: float = Field(
         15.0, gt=0, description="How long a request may wait for a replica to accept it before the gateway answers 503 with Retry-After.",

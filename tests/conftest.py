@@ -1,4 +1,4 @@
-"""Shared fixtures: offline Hugging Face, built-in models built once per session."""
+"""Shared fixtures: offline Hugging Face, the MLX thread guard, built-in models built once per session."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# MLX work off a replica's model thread fails on Metal; in tests it fails everywhere (engine/model_thread.py).
+# Fleets started by tests inherit it, so their replicas run guarded too.
+os.environ["MLX_FLEET_THREAD_GUARD"] = "1"
 
 from pathlib import Path  # noqa: E402
 

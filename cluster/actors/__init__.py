@@ -1,5 +1,1 @@
-"""Ray Serve deployments (Gateway, ModelReplica) and per-node actors."""
-
-from cluster.actors import loopback as _loopback
-
-_loopback.apply()
+"""Ray Serve deployments (Gateway, ModelReplica), the request router, and per-node actors."""

@@ -10,8 +10,6 @@ asks for a sliver of it (so several models can share a node) and
 
 from __future__ import annotations
 
-import re
-
 from ray import serve
 from ray.serve import Application
 
@@ -20,10 +18,6 @@ from cluster.actors.replica import ModelReplica
 from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec
 
 REPLICA_RESOURCE_SHARE = 0.001
-
-
-def deployment_name(model: str) -> str:
-    return "model-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", model)
 
 
 def fleet_node_count() -> int:
@@ -38,7 +32,7 @@ def fleet_node_count() -> int:
 def replica_deployment(spec: ModelSpec, config: AppConfig, nodes: int):
     replicas = spec.num_replicas if spec.num_replicas is not None else max(nodes, 1)
     return serve.deployment(ModelReplica).options(
-        name=deployment_name(spec.name),
+        name=spec.deployment,
         num_replicas=replicas,
         max_replicas_per_node=1,
         max_ongoing_requests=spec.max_ongoing_requests,
@@ -55,6 +49,7 @@ def build_app(args: dict | AppConfig) -> Application:
     nodes = fleet_node_count()
     handles = {spec.name: replica_deployment(spec, config, nodes).bind(spec, config) for spec in config.models}
     gateway = serve.deployment(Gateway).options(
-        name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+        name="Gateway", num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1000,
     )
     return gateway.bind(config, handles)

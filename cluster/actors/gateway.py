@@ -1,9 +1,12 @@
-"""Gateway: the OpenAI HTTP API, as the Serve ingress deployment.
+"""Gateway: the OpenAI HTTP API, as the Serve ingress deployment (2 replicas by default).
 
-It validates and tokenizes every request, then calls the model's ModelReplica
-deployment through a DeploymentHandle with token ids (the body-aware part of
-routing has to live behind the ingress: Serve's ingress router never sees the
-HTTP body). Replies stream back as SSE or are gathered into one JSON body.
+It validates and tokenizes every request (off the event loop), then calls the
+model's ModelReplica deployment through a DeploymentHandle with token ids (the
+body-aware part of routing has to live behind the ingress: Serve's ingress
+router never sees the HTTP body). Replies stream back as SSE or are gathered
+into one JSON body. The front door (api/front_door.py) checks API keys and the
+body size on real bytes before any of this; every error is an OpenAI-format
+JSON body.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real body types
@@ -18,17 +21,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.actors.dispatch import Dispatcher, ServedModel
+from cluster.actors.dispatch import Dispatcher
+from cluster.actors.health import Health
+from cluster.actors.served_model import ServedModel
 from cluster.api.errors import APIError, from_validation_errors, internal
+from cluster.api.front_door import FrontDoor, FrontDoorSettings
+from cluster.api.keys import ApiKeys, read_keys
 from cluster.api.responses import SSE_DONE, Reply, sse
 from cluster.api.schemas import ChatCompletionRequest, CompletionRequest
 from cluster.config import AppConfig
 from cluster.engine.events import Delta, Failed, Finished
-from cluster.fleet.status import fleet_status
+from cluster.status import fleet_status
 
 log = logging.getLogger(__name__)
 
 app = FastAPI(title="mlx-fleet", description="OpenAI-compatible serving from a fleet of Apple Silicon Macs.")
+front_door = FrontDoorSettings()
+app.add_middleware(FrontDoor, settings=front_door)
 
 
 @app.exception_handler(APIError)
@@ -43,8 +52,13 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type=kind).response()
+    if exc.status_code == 404:
+        return APIError(404, str(exc.detail), type="not_found", code="not_found").response()
+    if exc.status_code == 405:
+        return APIError(405, str(exc.detail), code="method_not_allowed").response()
+    if exc.status_code == 400:  # FastAPI could not read the body (e.g. not UTF-8)
+        return APIError(400, f"Request body is not valid UTF-8 JSON: {exc.detail}", code="invalid_json").response()
+    return APIError(exc.status_code, str(exc.detail), code="http_error").response()
 
 
 @app.exception_handler(Exception)
@@ -53,31 +67,23 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return internal(f"internal error: {type(exc).__name__}").response()
 
 
-MAX_REQUEST_BYTES = 16 << 20  # about 4M tokens of text: far beyond any context we serve
-
-
-@app.middleware("http")
-async def _limit_body(request: Request, call_next):
-    size = request.headers.get("content-length")
-    if size and size.isdigit() and int(size) > MAX_REQUEST_BYTES:
-        return APIError(413, f"request body is larger than {MAX_REQUEST_BYTES} bytes",
-                        code="request_too_large").response()
-    return await call_next(request)
-
-
 @serve.ingress(app)
 class Gateway:
     """Routes OpenAI requests to the replicas of the named model."""
 
     def __init__(self, config: AppConfig, handles: dict):
         self.config = config
+        front_door.max_body_bytes = config.gateway.max_body_bytes
+        front_door.keys = ApiKeys(read_keys(config.gateway.api_keys_file))
         self.dispatch = Dispatcher(config, handles)
+        self.health_check = Health(config.redis_url, {m.name: m.deployment for m in config.models})
+        log.info("gateway ready: %d model(s), %d API key(s)", len(config.models), len(front_door.keys))
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        alive = await self.dispatch.alive_models()
-        ok = all(alive.values())
-        return JSONResponse({"status": "ok" if ok else "unavailable", "models": alive},
+        state = await self.health_check.check()
+        ok = all(state["models"].values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "models": state["models"]},
                             status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -91,18 +97,20 @@ class Gateway:
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest):
         served = self.dispatch.model(body.model)
-        prompt = served.chat_prompt(body)
-        return await self._respond(served, body, prompt, Reply(served.name, chat=True, include_usage=body.include_usage()))
+        prompt = await served.chat_prompt(body)
+        reply = Reply(served.name, chat=True, include_usage=body.include_usage())
+        return await self._respond(served, body, prompt, reply)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         served = self.dispatch.model(body.model)
-        prompt = served.text_prompt(body)
-        echo = served.decode(prompt) if body.echo else ""
-        return await self._respond(served, body, prompt, Reply(served.name, chat=False, include_usage=body.include_usage()), echo)
+        prompt = await served.text_prompt(body)
+        echo = await served.decode(prompt) if body.echo else ""
+        reply = Reply(served.name, chat=False, include_usage=body.include_usage())
+        return await self._respond(served, body, prompt, reply, echo)
 
     async def _respond(self, served: ServedModel, body, prompt: list[int], reply: Reply, echo: str = ""):
-        request = served.make_request(body, prompt)
+        request = served.make_request(body, prompt, chat=reply.chat)
         if body.stream:
             run = await self.dispatch.start(served, request)
             return StreamingResponse(self._stream(run, reply, echo), media_type="text/event-stream",
@@ -130,4 +138,3 @@ class Gateway:
             yield SSE_DONE
         finally:
             run.cancel()
-

@@ -24,7 +24,7 @@ from cluster.fleet.ports import free_port, port_is_free
 from cluster.fleet.state import (FleetState, NodeProcess, clear_state, fleet_tag, load_state,
                                  ray_temp_dir, save_state)
 from cluster.models.resolve import resolve_model
-from cluster.node import NODE_DATA_DIR_ENV, NODE_ID_ENV
+from cluster.node import NODE_DATA_DIR_ENV, NODE_NAME_ENV
 
 APP_NAME = "mlx-fleet"
 STOP_GRACE_S = 3.0
@@ -175,7 +175,7 @@ def _start_node(cfg: FleetConfig, state: FleetState, node_id: str, head: bool, g
     node_dir = Path(state.data_dir) / node_id
     node_dir.mkdir(parents=True, exist_ok=True)
     env = _base_env(state)
-    env.update({NODE_ID_ENV: node_id, NODE_DATA_DIR_ENV: str(node_dir)})
+    env.update({NODE_NAME_ENV: node_id, NODE_DATA_DIR_ENV: str(node_dir)})
     argv = [sys.executable, "-m", "cluster.fleet.ray_cli", "start", "--node-ip-address=127.0.0.1",
             f"--num-cpus={os.cpu_count() or 2}", f"--resources={json.dumps({NODE_RESOURCE: 1})}",
             f"--labels={json.dumps({NODE_LABEL: node_id})}", f"--object-store-memory={OBJECT_STORE_BYTES}",

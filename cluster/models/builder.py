@@ -29,18 +29,30 @@ def build_model(spec: BuiltinModel, path: Path) -> Path:
     """Build `spec` at `path` unless it is already there; return the path."""
     if is_built(path):
         return path
+    return _assemble(spec, path, weights=True)
+
+
+def build_tokenizer_dir(spec: BuiltinModel, path: Path) -> Path:
+    """Only `spec`'s config and tokenizer at `path` (no weights, no MLX): what a gateway needs."""
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    return _assemble(spec, path, weights=False)
+
+
+def _assemble(spec: BuiltinModel, path: Path, weights: bool) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _write_weights(spec, tmp)
+        if weights:
+            _write_weights(spec, tmp)
         (tmp / "config.json").write_text(json.dumps(spec.config, indent=2, sort_keys=True))
         build_tokenizer(tmp)
         try:
             os.rename(tmp, path)
         except OSError:
-            if not is_built(path):  # lost the race to a half-built dir? never: rename is atomic
+            if not (path / "config.json").is_file():  # lost the race to a half-built dir? never: rename is atomic
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,8 +14,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.models.builder import build_model
+from cluster.models.builder import build_model, build_tokenizer_dir, is_built
 from cluster.models.catalog import BUILTINS
+
+# What a gateway fetches of a hub model: config and tokenizer, never the weights.
+TOKENIZER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "chat_template.json", "*.tiktoken"]
 
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -38,13 +43,27 @@ def resolve_model(source: str, data_dir: Path) -> Path:
     """Return a local directory holding the model named by `source`."""
     if source in BUILTINS:
         return build_model(BUILTINS[source], Path(data_dir).expanduser() / "models" / source)
+    return _local_or_hub(source, _download)
+
+
+def resolve_tokenizer(source: str, data_dir: Path) -> Path:
+    """A local directory with the model's config and tokenizer files, without fetching or building weights."""
+    if source in BUILTINS:
+        full = Path(data_dir).expanduser() / "models" / source
+        if is_built(full):
+            return full
+        return build_tokenizer_dir(BUILTINS[source], Path(data_dir).expanduser() / "models" / ".tokenizers" / source)
+    return _local_or_hub(source, _download_tokenizer)
+
+
+def _local_or_hub(source: str, download) -> Path:
     path = Path(source).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"model {source!r}: {path} has no config.json; point --model at an mlx-lm model directory")
         return path.resolve()
     if _REPO_RE.match(source) and not source.startswith((".", "/", "~")):
-        return _download(source)
+        return download(source)
     names = ", ".join(n for n, m in BUILTINS.items() if m.listed)
     raise ModelNotFound(
         f"model {source!r} is not a built-in model ({names}), not an existing directory, and not a Hugging Face repo id (owner/name)"
@@ -54,8 +73,18 @@ def resolve_model(source: str, data_dir: Path) -> Path:
 def _download(repo: str) -> Path:
     from mlx_lm.utils import _download as mlx_download
 
+    return _fetch(repo, lambda: mlx_download(repo))
+
+
+def _download_tokenizer(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    return _fetch(repo, lambda: snapshot_download(repo, allow_patterns=TOKENIZER_FILES))
+
+
+def _fetch(repo: str, fetch) -> Path:
     try:
-        return Path(mlx_download(repo))
+        return Path(fetch())
     except Exception as e:  # hub errors come in many types; all mean "cannot get it"
         raise ModelNotFound(
             f"model {repo!r}: could not fetch it from Hugging Face ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
@@ -73,7 +102,8 @@ def text_config(config: dict) -> dict:
 
 
 def model_info(source: str, data_dir: Path, max_context: int | None = None) -> ModelInfo:
-    path = resolve_model(source, data_dir)
+    """What the gateway needs: config and tokenizer only (no weights are fetched or built)."""
+    path = resolve_tokenizer(source, data_dir)
     config = text_config(read_config(path))
     context = max_context or int(config.get("max_position_embeddings") or 4096)
     return ModelInfo(path=path, family=config["model_type"], context_length=context, builtin=source in BUILTINS)

@@ -8,6 +8,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH="$HOME/.ray/mlx-fleet-token"
 export RAY_USAGE_STATS_ENABLED=0
-export MLX_FLEET_NODE_ID="${MLX_FLEET_NODE_ID:-$(hostname -s)}"
+# The node's name is a label for people; its id (unique, persistent) is made once in its data dir.
+export MLX_FLEET_NODE_NAME="${MLX_FLEET_NODE_NAME:-$(hostname -s)}"
 export MLX_FLEET_DATA_DIR="${MLX_FLEET_DATA_DIR:-$HOME/.mlx-fleet}"
-export MLX_FLEET_NODE_DATA_DIR="${MLX_FLEET_NODE_DATA_DIR:-$MLX_FLEET_DATA_DIR/$MLX_FLEET_NODE_ID}"
+export MLX_FLEET_NODE_DATA_DIR="${MLX_FLEET_NODE_DATA_DIR:-$MLX_FLEET_DATA_DIR/node}"

@@ -38,5 +38,5 @@ def test_cluster_yaml_passes_ray_validation():
 
 def test_fleet_env_opts_macs_into_multi_node_ray():
     env = (DEPLOY / "bootstrap" / "fleet-env.sh").read_text()
-    for needed in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1", "RAY_AUTH_MODE=token", "MLX_FLEET_NODE_ID"):
+    for needed in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1", "RAY_AUTH_MODE=token", "MLX_FLEET_NODE_NAME"):
         assert needed in env

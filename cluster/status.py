@@ -31,9 +31,9 @@ def node_stats(client) -> dict[str, dict]:
     """Disk-tier stats each node's store publishes (mlxf:node:<id>)."""
     import msgpack
 
-    from cluster.actors.node_store import NODE_KEY_PREFIX
+    from cluster.store.keys import node_stats_pattern
 
-    keys = sorted(client.scan_iter(match=NODE_KEY_PREFIX + "*", count=1000))
+    keys = sorted(client.scan_iter(match=node_stats_pattern(), count=1000))
     out = {}
     for raw in client.mget(keys) if keys else []:
         if raw is not None:
