@@ -12,8 +12,11 @@ MODEL  ?=
 PORT   ?= 8000
 ARGS   ?=
 PYTEST_ARGS ?=
+# Where the fleet's state lives; the same for up, down and status. Empty: $$MLX_FLEET_DATA_DIR, else ~/.mlx-fleet.
+DATA_DIR ?=
 
-UP_FLAGS := --nodes $(NODES) --port $(PORT) $(foreach m,$(MODEL),--model $(m)) $(ARGS)
+DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+UP_FLAGS := --nodes $(NODES) --port $(PORT) $(foreach m,$(MODEL),--model $(m)) $(DATA_FLAG) $(ARGS)
 
 .PHONY: up down status test deps redis fleet-token clean
 
@@ -21,10 +24,10 @@ up: $(VENV)/.installed-base redis
 	$(BIN)/mlx-fleet up $(UP_FLAGS)
 
 down: $(VENV)/.installed-base
-	$(BIN)/mlx-fleet down
+	$(BIN)/mlx-fleet down $(DATA_FLAG)
 
 status: $(VENV)/.installed-base
-	$(BIN)/mlx-fleet status
+	$(BIN)/mlx-fleet status $(DATA_FLAG)
 
 test: $(VENV)/.installed-test redis
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -36,15 +39,21 @@ redis:
 
 $(VENV)/bin/python:
 	@test -n "$(PYTHON)" || { echo "mlx-fleet needs Python 3.10-3.13 (e.g. brew install python@3.12); or set PYTHON=/path/to/python3" >&2; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	@echo "creating $(VENV) with $(PYTHON) ..."
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || $(BIN)/python -m pip install -q --upgrade pip
+
+# pip's and setuptools' chatter goes to a log, shown only if the install fails.
+PIP_INSTALL = $(BIN)/python -m pip install -q
 
 $(VENV)/.installed-base: pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e .
+	@echo "installing mlx-fleet and its dependencies into $(VENV) (log: $(VENV)/pip.log) ..."
+	@$(PIP_INSTALL) -e . >$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
-	$(BIN)/python -m pip install -q -e ".[test,load]"
+	@echo "installing mlx-fleet with its test and load-test dependencies into $(VENV) (log: $(VENV)/pip.log) ..."
+	@$(PIP_INSTALL) -e ".[test,load]" >$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@ $(VENV)/.installed-base
 
 fleet-token: deploy/.ray-token

@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--no-cache", action="store_true", help="disable KV block reuse")
     up.add_argument("--max-context", type=int, default=None, help="override every model's context window")
     up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503")
+    up.add_argument("--api-keys-file", default=None, metavar="FILE",
+                    help="require 'Authorization: Bearer <key>' with one of the keys in FILE (one per line); "
+                         "MLX_FLEET_API_KEYS (comma-separated) adds more")
+    up.add_argument("--gateways", type=int, default=None, help="gateway replicas (default 2)")
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the fleet")
     _data_dir(up)
@@ -76,7 +80,9 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
         cache["disk"] = False
     if a.no_cache:
         cache["enabled"] = False
-    gateway = {"assign_timeout_s": a.assign_timeout} if a.assign_timeout else {}
+    gateway = {k: v for k, v in {"assign_timeout_s": a.assign_timeout, "replicas": a.gateways,
+                                 "api_keys_file": str(Path(a.api_keys_file).expanduser().resolve())
+                                 if a.api_keys_file else None}.items() if v is not None}
     app = AppConfig(models=models, redis_url=a.redis_url, cache=CacheConfig(**cache), gateway=GatewayConfig(**gateway))
     return FleetConfig(nodes=a.nodes, port=a.port, host=a.host, redis_url=a.redis_url,
                        data_dir=a.data_dir or default_data_dir(), dashboard=not a.no_dashboard,
@@ -128,7 +134,7 @@ def cmd_down(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from cluster.fleet.launcher import connect
+    from cluster.fleet.ray_env import connect
     from cluster.fleet.state import load_state
     from cluster.status import fleet_status
 
@@ -139,7 +145,7 @@ def cmd_status(a: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     connect(state)
-    status = fleet_status(state.redis_url, state.models)
+    status = fleet_status(state.redis_url, state.models, state.data_dir)
     status["endpoint"] = state.http_url
     status["dashboard"] = state.dashboard_url
     if a.json:

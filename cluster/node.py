@@ -20,6 +20,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+RAY_NAMESPACE = "mlx-fleet"  # where the fleet's named actors live
 NODE_NAME_ENV = "MLX_FLEET_NODE_NAME"
 NODE_DATA_DIR_ENV = "MLX_FLEET_NODE_DATA_DIR"
 ID_FILE = "node-id"
@@ -31,6 +32,11 @@ class NodeIdentity:
     node_id: str
     name: str
     data_dir: Path
+
+
+def store_actor_name(node_id: str) -> str:
+    """The name of a node's NodeStore actor."""
+    return f"mlxf-store-{node_id}"
 
 
 def node_name() -> str:

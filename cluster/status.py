@@ -1,17 +1,33 @@
-"""Fleet status: nodes from Ray, replicas from their Redis leases.
+"""Fleet status: nodes from Ray, disk tiers from their node stores, replicas from their leases.
 
-The same JSON backs `mlx-fleet status --json` and `GET /v1/fleet/status`.
+The same JSON backs `mlx-fleet status --json` and `GET /v1/fleet/status`. The
+calling process must be connected to Ray (the CLI is a driver, the gateway a
+replica). Sources, and what happens when one is away:
+- nodes: Ray's node table;
+- disk tiers: each node store's live counters (an actor call, 2 s deadline),
+  else the copy it publishes to Redis every few seconds;
+- replicas: their Redis leases; with Redis away, Serve's own replica counts
+  (`replicas_source: "serve"`), so status never says "0 replicas" while they serve;
+- redis: reachable or not, its error, and for a local fleet how often the
+  supervisor restarted it. No URL is ever shown with its password.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
+import json
+
 from cluster.config import NODE_LABEL, NODE_RESOURCE
+from cluster.node import RAY_NAMESPACE
+
+STORE_DEADLINE_S = 2.0
+SUPERVISOR_FILE = "supervisor.json"  # written by a local fleet's supervisor (fleet/supervisor.py)
 
 
 def ray_nodes() -> list[dict]:
-    """Fleet nodes as Ray sees them (the calling process must be connected to Ray)."""
+    """Fleet nodes as Ray sees them."""
     import ray
 
     nodes = []
@@ -19,50 +35,96 @@ def ray_nodes() -> list[dict]:
         if not n.get("Resources", {}).get(NODE_RESOURCE) and not n.get("Labels", {}).get(NODE_LABEL):
             continue
         nodes.append({
-            "node_id": n.get("Labels", {}).get(NODE_LABEL) or n.get("NodeManagerHostname"),
+            "name": n.get("Labels", {}).get(NODE_LABEL) or n.get("NodeManagerHostname"),
             "ray_node_id": n["NodeID"],
             "alive": bool(n.get("Alive")),
             "address": n.get("NodeManagerAddress"),
         })
-    return sorted(nodes, key=lambda d: (not d["alive"], d["node_id"]))
+    return sorted(nodes, key=lambda d: (not d["alive"], d["name"]))
 
 
-def node_stats(client) -> dict[str, dict]:
-    """Disk-tier stats each node's store publishes (mlxf:node:<id>)."""
+def live_store_stats() -> list[dict]:
+    """Every node store's counters right now (stores that do not answer in time are left out)."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == RAY_NAMESPACE and a["name"].startswith("mlxf-store-")]
+    refs = [ray.get_actor(name, namespace=RAY_NAMESPACE).stats.remote() for name in names]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STORE_DEADLINE_S) if refs else ([], [])
+    return [ray.get(r) for r in ready]
+
+
+def published_store_stats(client) -> list[dict]:
+    """The copies node stores publish to Redis (mlxf:node:<id>)."""
     import msgpack
 
     from cluster.store.keys import node_stats_pattern
 
     keys = sorted(client.scan_iter(match=node_stats_pattern(), count=1000))
-    out = {}
-    for raw in client.mget(keys) if keys else []:
-        if raw is not None:
-            d = msgpack.unpackb(raw, strict_map_key=False)
-            out[d["node_id"]] = d
+    return [msgpack.unpackb(raw, strict_map_key=False) for raw in (client.mget(keys) if keys else []) if raw]
+
+
+def serve_replicas(models: list[str]) -> dict[str, int]:
+    """Running replicas per model, from the Serve controller."""
+    from ray import serve
+
+    from cluster.config import ModelSpec
+
+    out = {m: 0 for m in models}
+    for app in serve.status().applications.values():
+        for m in models:
+            dep = app.deployments.get(ModelSpec(name=m, source=m).deployment)
+            if dep is not None:
+                out[m] += dep.replica_states.get("RUNNING", 0)
     return out
 
 
-def fleet_status(redis_url: Optional[str], models: list[str]) -> dict:
-    from cluster.store.leases import connect, read_leases
+def fleet_status(redis_url: Optional[str], models: list[str], data_dir: Optional[str] = None) -> dict:
+    from cluster.store.leases import read_leases
+    from cluster.store.redis_client import connect, redact
 
     replicas: list[dict] = []
-    disks: dict[str, dict] = {}
-    redis_error = None
+    published: list[dict] = []
+    redis_state = {"url": redact(redis_url), "reachable": False, "error": None}
     if redis_url:
         try:
             client = connect(redis_url)
             replicas = read_leases(client)
-            disks = node_stats(client)
+            published = published_store_stats(client)
             client.close()
+            redis_state["reachable"] = True
         except Exception as e:  # status must still answer when Redis is down
-            redis_error = f"{type(e).__name__}: {e}"
-    per_model = {m: [r["node_id"] for r in replicas if r.get("model") == m] for m in models}
+            redis_state["error"] = redact(f"{type(e).__name__}: {e}")
+    redis_state.update(_supervised(data_dir))
+    stores = {s["ray_node_id"]: s for s in published if s.get("ray_node_id")}
+    stores.update({s["ray_node_id"]: s for s in live_store_stats() if s.get("ray_node_id")})
     nodes = ray_nodes()
     for n in nodes:
-        n["disk"] = disks.get(n["node_id"])
-    return {
-        "nodes": nodes,
-        "replicas": replicas,
-        "models": [{"name": m, "replicas": len(nodes), "nodes": nodes} for m, nodes in per_model.items()],
-        "redis": {"url": redis_url, "error": redis_error},
-    }
+        disk = stores.get(n["ray_node_id"])
+        n["node_id"] = disk.get("node_id") if disk else None
+        n["disk"] = disk
+    out = {"nodes": nodes, "replicas": replicas, "redis": redis_state}
+    if redis_state["reachable"]:
+        out["replicas_source"] = "leases"
+        per_model = {m: sorted(r["node_id"] for r in replicas if r.get("model") == m) for m in models}
+        out["models"] = [{"name": m, "replicas": len(ids), "nodes": ids} for m, ids in per_model.items()]
+    else:
+        out["replicas_source"] = "serve"
+        counts = serve_replicas(models)
+        out["models"] = [{"name": m, "replicas": counts[m], "nodes": None} for m in models]
+    return out
+
+
+def _supervised(data_dir: Optional[str]) -> dict:
+    """A local fleet's supervisor knows whether it runs Redis and how often it restarted it."""
+    if not data_dir:
+        return {}
+    try:
+        known = json.loads((Path(data_dir).expanduser() / SUPERVISOR_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not known.get("redis"):
+        return {}
+    r = known["redis"]
+    return {"supervised": True, "running": r.get("running"), "restarts": r.get("restarts", 0),
+            "last_restart": r.get("last_restart")}

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.actors import loopback
 from cluster.actors.dispatch import Dispatcher
 from cluster.actors.health import Health
 from cluster.actors.served_model import ServedModel
@@ -72,12 +73,16 @@ class Gateway:
     """Routes OpenAI requests to the replicas of the named model."""
 
     def __init__(self, config: AppConfig, handles: dict):
+        loopback.apply()
         self.config = config
         front_door.max_body_bytes = config.gateway.max_body_bytes
         front_door.keys = ApiKeys(read_keys(config.gateway.api_keys_file))
         self.dispatch = Dispatcher(config, handles)
         self.health_check = Health(config.redis_url, {m.name: m.deployment for m in config.models})
         log.info("gateway ready: %d model(s), %d API key(s)", len(config.models), len(front_door.keys))
+
+    def check_health(self) -> None:
+        loopback.check_listeners()
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -92,7 +97,8 @@ class Gateway:
 
     @app.get("/v1/fleet/status")
     async def status(self) -> dict:
-        return await asyncio.to_thread(fleet_status, self.config.redis_url, [m.name for m in self.config.models])
+        return await asyncio.to_thread(fleet_status, self.config.redis_url, [m.name for m in self.config.models],
+                                       self.config.data_dir)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest):

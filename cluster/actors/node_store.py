@@ -6,7 +6,7 @@ or evicts becomes an event. Replicas read pinned block files directly (same
 machine), so restores do not pay for an extra copy through Ray.
 
 It is a detached, named actor per node (`mlxf-store-<node id>` in the
-`mlx-fleet` namespace) pinned to its node: replicas that restart find the same
+`mlx-fleet` namespace, see node.py) pinned to its node: replicas that restart find the same
 one, and a restarted node rebuilds its index from the files (DiskStore.recover).
 Its stats go to Redis (`mlxf:node:<node id>`, expiring) for `mlx-fleet status`.
 """
@@ -25,22 +25,22 @@ import msgpack
 from cluster.store.block_files import ReadFailure
 from cluster.store.disk_tier import DiskStore
 from cluster.store.events import EventBatch
+from cluster.node import RAY_NAMESPACE, store_actor_name
 from cluster.store.keys import node_stats_key
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "mlx-fleet"
 LEASE_TTL_S = 120.0
 
 
-def store_name(node_id: str) -> str:
-    return f"mlxf-store-{node_id}"
-
-
 class NodeStore:
-    def __init__(self, node_id: str, node_dir: str, budget: Optional[int], redis_url: Optional[str],
+    def __init__(self, node_id: str, node_name: str, node_dir: str, budget: Optional[int], redis_url: Optional[str],
                  stats_ttl_s: float = 6.0):
+        import ray
+
         self.node_id = node_id
+        self.node_name = node_name
+        self.ray_node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self.disk = DiskStore(Path(node_dir), budget)
         self._leases: dict[int, tuple[bytes, list[bytes], float]] = {}
         self._next_lease = 0
@@ -84,7 +84,11 @@ class NodeStore:
 
     # -- inspection -------------------------------------------------------------------
     async def stats(self) -> dict:
-        return {"node_id": self.node_id, "read_leases": len(self._leases), **self.disk.stats()}
+        return self._stats()
+
+    def _stats(self) -> dict:
+        return {"node_id": self.node_id, "node_name": self.node_name, "ray_node_id": self.ray_node_id,
+                "read_leases": len(self._leases), "renewed": time.time(), **self.disk.stats()}
 
     async def events_since(self, cursor: int, epoch: Optional[str] = None, limit: int = 10_000) -> EventBatch:
         """Block events after `cursor`, exactly once, or with `gap` set (see store/events.py)."""
@@ -108,11 +112,11 @@ class NodeStore:
     def _publish(self, client):
         import redis
 
-        from cluster.store.leases import connect
+        from cluster.store.redis_client import connect
 
         try:
             client = client or connect(self._redis_url)
-            payload = {"node_id": self.node_id, "renewed": time.time(), **self.disk.stats()}
+            payload = self._stats()
             client.set(node_stats_key(self.node_id), msgpack.packb(payload), px=int(self._stats_ttl_s * 1000))
         except redis.RedisError as e:
             log.debug("could not publish node stats: %s", e)
@@ -120,16 +124,16 @@ class NodeStore:
         return client
 
 
-def get_or_create(node_id: str, node_dir: Path, budget: Optional[int], redis_url: Optional[str]):
+def get_or_create(node, budget: Optional[int], redis_url: Optional[str]):
     """This node's store actor (created on first use, pinned to the calling process's node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(NodeStore).options(
-        name=store_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        name=store_actor_name(node.node_id), namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
     )
-    handle = actor.remote(node_id, str(node_dir), budget, redis_url)
+    handle = actor.remote(node.node_id, node.name, str(node.data_dir), budget, redis_url)
     ray.get(handle.ping.remote(), timeout=120)
     return handle

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cluster.actors import node_store
+from cluster.actors import loopback, node_store
 from cluster.config import AppConfig, ModelSpec
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished
@@ -41,6 +41,7 @@ class ModelReplica:
     """Loads the model on its model thread, runs requests, keeps its lease in Redis."""
 
     def __init__(self, spec: ModelSpec, app: AppConfig):
+        loopback.apply()
         self.spec = spec
         self.node = current_node(app.data_dir)
         self.started = time.time()
@@ -76,8 +77,7 @@ class ModelReplica:
         if not (app.cache.enabled and app.cache.disk):
             return None
         try:
-            handle = node_store.get_or_create(self.node.node_id, self.node.data_dir, app.cache.disk_bytes,
-                                              app.redis_url)
+            handle = node_store.get_or_create(self.node, app.cache.disk_bytes, app.redis_url)
             return ActorLink(handle)
         except Exception as e:  # serve from RAM rather than not at all
             log.warning("no disk tier on node %s (%s); caching in RAM only", self.node.node_id, e)
@@ -152,6 +152,7 @@ class ModelReplica:
     def check_health(self) -> None:
         if not self.scheduler.alive:
             raise RuntimeError("model thread died")
+        loopback.check_listeners()
 
     def __del__(self):
         cache = getattr(self, "cache", None)

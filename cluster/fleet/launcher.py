@@ -1,15 +1,17 @@
 """`mlx-fleet up` and `down`: a whole fleet on this machine.
 
-`up` checks everything it can before starting anything (models, ports, Redis),
-then starts Redis, a Ray head and N-1 more Ray nodes, deploys the Serve app and
-waits until every replica is healthy. If any step fails it stops what it
-started, so a failed `up` leaves no process behind.
+`up` takes the data dir's lock (lock.py), checks everything it can before
+starting anything (models, ports, Redis), then starts the supervisor (which
+keeps the lock and runs Redis), a Ray head and N-1 more Ray nodes, deploys the
+Serve app and waits until every replica is healthy. If any step fails it stops
+what it started, so a failed `up` leaves no process behind.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -17,19 +19,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from cluster.actors.loopback import LOOPBACK_ENV
-from cluster.config import NODE_LABEL, NODE_RESOURCE, AppConfig, FleetConfig
-from cluster.fleet import processes, redis_server
-from cluster.fleet.ports import free_port, port_is_free
-from cluster.fleet.state import (FleetState, NodeProcess, clear_state, fleet_tag, load_state,
-                                 ray_temp_dir, save_state)
+from cluster.config import AppConfig, FleetConfig
+from cluster.fleet import lock, processes, ray_env, ray_nodes, redis_server, supervisor
+from cluster.fleet.ports import port_is_free
+from cluster.fleet.state import FleetState, clear_state, fleet_tag, load_state, ray_temp_dir, save_state
 from cluster.models.resolve import resolve_model
-from cluster.node import NODE_DATA_DIR_ENV, NODE_NAME_ENV
 
 APP_NAME = "mlx-fleet"
 STOP_GRACE_S = 3.0
-OBJECT_STORE_BYTES = 512 << 20
 DEPLOY_TIMEOUT_S = 900.0
+REDIS_TIMEOUT_S = 60.0
 
 
 class FleetError(RuntimeError):
@@ -55,21 +54,30 @@ class Progress:
 def up(cfg: FleetConfig, out: Callable[[str], None] = print) -> FleetState:
     data_dir = cfg.data_dir.expanduser().resolve()
     progress = Progress(out)
-    _refuse_running_fleet(data_dir)
-    _preflight(cfg)
-    state = FleetState(data_dir=str(data_dir), tag=fleet_tag(data_dir), ray_temp_dir=str(ray_temp_dir(data_dir)),
-                       models=[m.name for m in cfg.app.models], started=time.time())
     try:
-        for spec in cfg.app.models:
-            with progress.step(f"model {spec.name}") as note:
-                note["detail"] = str(resolve_model(spec.source, data_dir))
-        _start_redis(cfg, state, progress)
-        _start_ray(cfg, state, progress)
-        _deploy(cfg, state, progress)
-    except BaseException:
-        out("  start failed; stopping what was started")
-        _stop(state)
-        raise
+        lock_fd = lock.acquire(data_dir)
+    except lock.FleetLocked as e:
+        raise FleetError(str(e)) from None
+    try:
+        clear_state(data_dir)  # we hold the lock: any state file is a dead fleet's
+        _preflight(cfg)
+        state = FleetState(data_dir=str(data_dir), tag=fleet_tag(data_dir),
+                           ray_temp_dir=str(ray_temp_dir(data_dir)), models=[m.name for m in cfg.app.models],
+                           started=time.time())
+        try:
+            for spec in cfg.app.models:
+                with progress.step(f"model {spec.name}") as note:
+                    note["detail"] = str(resolve_model(spec.source, data_dir))
+            ray_env.write_token(data_dir)
+            _start_supervisor(cfg, state, lock_fd, progress)
+            _start_ray(cfg, state, progress)
+            _deploy(cfg, state, progress)
+        except BaseException:
+            out("  start failed; stopping what was started")
+            _stop(state)
+            raise
+    finally:
+        os.close(lock_fd)  # the supervisor holds its own copy for the fleet's lifetime
     state.ready = True
     save_state(state)
     return state
@@ -99,14 +107,13 @@ def _drain_serve(state: FleetState, timeout_s: float = 60.0) -> None:
         return  # no Ray head answering: nothing to drain
 
     def drain():
-        import logging
-
+        ray_env.prepare_driver(state)  # before Ray is imported: it reads its auth settings then
         import ray
         from ray import serve
 
         logging.getLogger("ray._private.worker").setLevel(logging.ERROR)  # "SIGTERM handler not set": expected here
         try:
-            connect(state)
+            ray_env.connect(state)
             serve.shutdown()
         except Exception as e:  # best effort: the processes are stopped next either way
             print(f"  (serve did not shut down cleanly: {e})", file=sys.stderr)
@@ -118,16 +125,6 @@ def _drain_serve(state: FleetState, timeout_s: float = 60.0) -> None:
     worker.join(timeout_s)
 
 
-def _refuse_running_fleet(data_dir: Path) -> None:
-    state = load_state(data_dir)
-    if state is None:
-        return
-    if processes.tagged(state.tag):
-        raise FleetError(f"a fleet is already running under {data_dir}; stop it with `mlx-fleet down --data-dir {data_dir}` "
-                         "or pick another --data-dir")
-    clear_state(data_dir)  # stale: its processes are gone
-
-
 def _preflight(cfg: FleetConfig) -> None:
     if not port_is_free(cfg.host, cfg.port):
         raise FleetError(f"port {cfg.port} on {cfg.host} is already in use; pass --port with a free port or stop what uses it")
@@ -135,97 +132,68 @@ def _preflight(cfg: FleetConfig) -> None:
         redis_server.ping(cfg.app.redis_url)
     else:
         redis_server.find_redis_server()
+    if cfg.app.gateway.api_keys_file:
+        from cluster.api.keys import read_keys
+
+        read_keys(cfg.app.gateway.api_keys_file)
 
 
-def _base_env(state: FleetState) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({processes.TAG_ENV: state.tag, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "PYTHONUNBUFFERED": "1",
-                LOOPBACK_ENV: "1"})
-    return env
-
-
-def _start_redis(cfg: FleetConfig, state: FleetState, progress: Progress) -> None:
-    if cfg.app.redis_url:
-        state.redis_url = cfg.app.redis_url
-        return
-    with progress.step("redis") as note:
-        redis_dir = Path(state.data_dir) / "redis"
-        redis_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        argv = redis_server.redis_argv(redis_server.find_redis_server(), port, redis_dir)
-        proc = processes.spawn(argv, _base_env(state), Path(state.data_dir) / "logs" / "redis.log")
-        state.redis_session_id = proc.pid
-        state.redis_url = f"redis://127.0.0.1:{port}/0"
+def _start_supervisor(cfg: FleetConfig, state: FleetState, lock_fd: int, progress: Progress) -> None:
+    """The process that keeps the data dir's lock and runs (and restarts) the fleet's Redis."""
+    own = not cfg.app.redis_url
+    with progress.step("supervisor" + (" and redis" if own else "")) as note:
+        env = ray_env.base_env(state)
+        argv = [sys.executable, "-m", "cluster.fleet.supervisor", "--data-dir", state.data_dir,
+                "--lock-fd", str(lock_fd)] + ([] if own else ["--no-redis"])
+        log = Path(state.data_dir) / "logs" / "supervisor.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, pass_fds=(lock_fd,))
+        state.supervisor_session_id = proc.pid
         save_state(state)
-        redis_server.wait_ready(state.redis_url)
-        note["detail"] = state.redis_url
+        state.redis_url = cfg.app.redis_url or _wait_for_redis(state, proc)
+        save_state(state)
+        note["detail"] = redis_server.redact(state.redis_url)
+
+
+def _wait_for_redis(state: FleetState, proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + REDIS_TIMEOUT_S
+    data_dir = Path(state.data_dir)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise FleetError(f"the fleet supervisor exited; see {data_dir / 'logs' / 'supervisor.log'}")
+        known = supervisor.read_state(data_dir)
+        if known and known.get("pid") == proc.pid and known.get("redis") and known["redis"].get("running"):
+            url = redis_server.local_url(known["redis"]["port"], redis_server.password(data_dir / "redis"))
+            redis_server.ping(url)
+            return url
+        time.sleep(0.1)
+    raise FleetError(f"redis did not start in {REDIS_TIMEOUT_S:.0f}s; see {data_dir / 'logs'}")
 
 
 def _start_ray(cfg: FleetConfig, state: FleetState, progress: Progress) -> None:
-    gcs_port = free_port()
-    state.ray_address = f"127.0.0.1:{gcs_port}"
-    for i in range(cfg.nodes):
-        node_id = f"node-{i}"
-        with progress.step(f"ray {'head' if i == 0 else 'node'} {node_id}"):
-            _start_node(cfg, state, node_id, head=(i == 0), gcs_port=gcs_port)
-
-
-def _start_node(cfg: FleetConfig, state: FleetState, node_id: str, head: bool, gcs_port: int) -> None:
-    node_dir = Path(state.data_dir) / node_id
-    node_dir.mkdir(parents=True, exist_ok=True)
-    env = _base_env(state)
-    env.update({NODE_NAME_ENV: node_id, NODE_DATA_DIR_ENV: str(node_dir)})
-    argv = [sys.executable, "-m", "cluster.fleet.ray_cli", "start", "--node-ip-address=127.0.0.1",
-            f"--num-cpus={os.cpu_count() or 2}", f"--resources={json.dumps({NODE_RESOURCE: 1})}",
-            f"--labels={json.dumps({NODE_LABEL: node_id})}", f"--object-store-memory={OBJECT_STORE_BYTES}",
-            f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"]
-    if head:
-        dash_port = 8265 if port_is_free("127.0.0.1", 8265) else free_port()
-        argv += ["--head", f"--port={gcs_port}", f"--temp-dir={state.ray_temp_dir}",
-                 f"--ray-client-server-port={free_port()}", "--dashboard-host=127.0.0.1",
-                 f"--include-dashboard={'true' if cfg.dashboard else 'false'}", f"--dashboard-port={dash_port}"]
-        if cfg.dashboard:
-            state.dashboard_url = f"http://127.0.0.1:{dash_port}"
-    else:
-        argv.append(f"--address={state.ray_address}")
-    log = node_dir / "ray-start.log"
-    proc = processes.spawn(argv, env, log)
-    state.nodes.append(NodeProcess(node_id=node_id, session_id=proc.pid, data_dir=str(node_dir), log=str(log)))
-    save_state(state)
-    if proc.wait(timeout=180) != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        raise FleetError(f"ray start for {node_id} failed (see {log}): {' | '.join(tail)}")
-
-
-def connect(state: FleetState) -> None:
-    """Attach this process to the fleet's Ray cluster as a driver."""
-    import logging
-
-    import ray
-
-    from cluster.fleet.ray_cli import keep_on_loopback
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    keep_on_loopback()
-    if not ray.is_initialized():
-        ray.init(address=state.ray_address, namespace="mlx-fleet", logging_level=logging.WARNING,
-                 log_to_driver=False)
+    try:
+        with progress.step("ray head node-0"):
+            ray_nodes.start_head(cfg, state)
+        for i in range(1, cfg.nodes):
+            with progress.step(f"ray node node-{i}"):
+                ray_nodes.start_worker(state, f"node-{i}")
+    except ray_nodes.NodeStartError as e:
+        raise FleetError(str(e)) from None
 
 
 def _deploy(cfg: FleetConfig, state: FleetState, progress: Progress) -> None:
+    ray_env.prepare_driver(state)  # before Ray is imported: it reads its auth settings then
     import ray
     from ray import serve
 
     from cluster.actors.app import build_app
 
-    import logging
-
     app_config = AppConfig.model_validate({**cfg.app.model_dump(), "data_dir": state.data_dir,
                                            "redis_url": state.redis_url})
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # our progress lines say it better
-    connect(state)
+    ray_env.connect(state)
     try:
         with progress.step(f"serve app ({len(app_config.models)} model(s) x {cfg.nodes} node(s))"):
             serve.start(http_options={"host": cfg.host, "port": cfg.port}, proxy_location="HeadOnly")

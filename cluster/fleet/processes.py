@@ -2,8 +2,10 @@
 
 Every process `mlx-fleet up` starts gets the environment variable
 MLX_FLEET_TAG=<data dir> and its own session (setsid). Children inherit both:
-Ray's raylet passes its environment to the workers it spawns. `down` signals
-each recorded session, then sweeps for any process still carrying the tag, so
+Ray's raylet passes its environment to the workers it spawns. A Ray worker
+renames itself (setproctitle), which can wipe the environment /proc shows, so
+a fleet's processes are the tagged ones *and all their descendants*. `down`
+signals each recorded session, then sweeps for the fleet's processes, so
 nothing is left behind and nothing of another fleet (another tag) is touched.
 `ray stop` is never used: it kills every Ray process on the machine.
 """
@@ -41,18 +43,21 @@ def run(argv: list[str], env: dict[str, str], log_path: Path, timeout_s: float) 
 
 
 def tagged(tag: str) -> list[psutil.Process]:
-    """Processes of this machine whose environment carries MLX_FLEET_TAG=tag."""
-    found = []
+    """The fleet's processes: those whose environment carries MLX_FLEET_TAG=tag, and their descendants."""
+    found: dict[int, psutil.Process] = {}
     me = os.getpid()
     for proc in psutil.process_iter(["pid"]):
         if proc.pid == me:
             continue
         try:
             if proc.environ().get(TAG_ENV) == tag:
-                found.append(proc)
+                found[proc.pid] = proc
+                for child in proc.children(recursive=True):
+                    found.setdefault(child.pid, child)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
             continue
-    return found
+    found.pop(me, None)
+    return [found[pid] for pid in sorted(found)]
 
 
 def kill_sessions(session_ids: Iterable[int], sig: int = signal.SIGTERM) -> None:

@@ -34,7 +34,7 @@ class FleetState(BaseModel):
     ray_address: Optional[str] = None
     dashboard_url: Optional[str] = None
     redis_url: Optional[str] = None
-    redis_session_id: Optional[int] = None
+    supervisor_session_id: Optional[int] = Field(None, description="Session of the supervisor (and the Redis it runs).")
     http_url: Optional[str] = None
     nodes: list[NodeProcess] = Field(default_factory=list)
     models: list[str] = Field(default_factory=list)
@@ -43,8 +43,8 @@ class FleetState(BaseModel):
 
     def session_ids(self) -> list[int]:
         ids = [n.session_id for n in self.nodes]
-        if self.redis_session_id:
-            ids.append(self.redis_session_id)
+        if self.supervisor_session_id:
+            ids.append(self.supervisor_session_id)
         return ids
 
 
@@ -73,7 +73,9 @@ def save_state(state: FleetState) -> None:
     path = state_path(Path(state.data_dir))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(state.model_dump(), indent=2))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the Redis URL and its password
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(state.model_dump(), indent=2))
     os.replace(tmp, path)
 
 

@@ -4,24 +4,33 @@ from __future__ import annotations
 
 
 def render(status: dict) -> str:
-    lines = [f"endpoint:  {status.get('endpoint')}/v1", f"dashboard: {status.get('dashboard') or '-'}", "", "nodes:"]
+    lines = [f"endpoint:  {status.get('endpoint')}/v1", f"dashboard: {status.get('dashboard') or '-'}",
+             _redis_line(status.get("redis", {})), "", "nodes:"]
     for n in status["nodes"]:
-        lines.append(f"  {n['node_id']:<12} {'alive' if n['alive'] else 'DEAD ':<6} {n['address']}")
+        lines.append(f"  {n['name']:<10} {n.get('node_id') or '-':<22} {'alive' if n['alive'] else 'DEAD ':<6} "
+                     f"{n['address']}")
         lines.append("      " + _disk_line(n.get("disk")))
     lines += ["", "replicas:"]
+    if status.get("replicas_source") == "serve":
+        lines.append("  (Redis is unreachable: per-replica detail is unavailable; counts below come from Serve)")
     for r in status["replicas"]:
         prompt = r.get("prompt_tokens", 0)
         reuse = f"{r.get('cached_tokens', 0) / prompt:.0%}" if prompt else "-"
-        lines.append(f"  {r['model']:<20} on {r['node_id']:<10} active={r.get('active', 0):<3} "
+        lines.append(f"  {r['model']:<20} on {r['node_id']:<22} active={r.get('active', 0):<3} "
                      f"requests={r.get('requests', 0):<6} prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
                      f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)}")
         lines.append("      " + _cache_line(r.get("cache", {})))
     lines += ["", "models:"]
     for m in status["models"]:
-        lines.append(f"  {m['name']:<20} {m['replicas']} replica(s): {', '.join(m['nodes']) or '-'}")
-    if status.get("redis", {}).get("error"):
-        lines.append(f"\nredis: {status['redis']['error']}")
+        where = ", ".join(m["nodes"]) if m["nodes"] else ("-" if m["nodes"] is not None else "(nodes unknown)")
+        lines.append(f"  {m['name']:<20} {m['replicas']} replica(s): {where}")
     return "\n".join(lines)
+
+
+def _redis_line(redis: dict) -> str:
+    state = "reachable" if redis.get("reachable") else f"UNREACHABLE ({redis.get('error') or '-'})"
+    restarts = f", restarted {redis['restarts']} time(s) by the supervisor" if redis.get("supervised") else ""
+    return f"redis:     {redis.get('url') or '-'} {state}{restarts}"
 
 
 def _cache_line(cache: dict) -> str:

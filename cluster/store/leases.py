@@ -20,12 +20,9 @@ import msgpack
 import redis
 
 from cluster.store.keys import lease_key, lease_pattern
+from cluster.store.redis_client import connect, redact
 
 log = logging.getLogger(__name__)
-
-
-def connect(url: str, timeout_s: float = 2.0) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
 
 class LeaseWriter:
@@ -50,7 +47,7 @@ class LeaseWriter:
                 self.healthy = True
             except redis.RedisError as e:
                 if self.healthy:
-                    log.warning("lease renewal failed: %s", e)
+                    log.warning("lease renewal failed: %s", redact(str(e)))
                 self.healthy = False
             self._stop.wait(self._period)
 

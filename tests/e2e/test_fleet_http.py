@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
-from tests.local_fleet import LocalFleet
+from tests.local_fleet import LocalFleet, node_name
 
 pytestmark = pytest.mark.fleet
 MODEL = "tiny-dense"
@@ -22,7 +28,7 @@ HELLO = [{"role": "user", "content": "Hello there, fleet!"}]
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     with LocalFleet(tmp_path_factory.mktemp("fleet"), nodes=2, models=(MODEL, OTHER),
-                    extra=("--assign-timeout", "5")) as f:
+                    extra=("--assign-timeout", "5"), dashboard=True) as f:
         yield f
     assert f.processes() == [], "mlx-fleet down left processes behind"
 
@@ -68,7 +74,7 @@ def test_the_model_field_routes_between_models(client):
 def test_chat_completion(client):
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
     reply = raw.parse()
-    assert raw.headers["x-fleet-node"] in {"node-0", "node-1"}
+    assert node_name(raw.headers["x-fleet-node"]) in {"node-0", "node-1"}
     assert raw.headers["x-fleet-cached-tokens"] == "0"
     assert reply.object == "chat.completion" and reply.model == MODEL
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content
@@ -108,7 +114,7 @@ def test_sse_framing_on_the_wire(http):
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        assert r.headers["x-fleet-node"] in {"node-0", "node-1"}
+        assert node_name(r.headers["x-fleet-node"]) in {"node-0", "node-1"}
         raw = "".join(r.iter_text())
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
@@ -127,7 +133,7 @@ def test_both_nodes_serve_traffic(http):
     for _ in range(24):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "spread", "max_tokens": 1})
         assert r.status_code == 200
-        nodes.add(r.headers["x-fleet-node"])
+        nodes.add(node_name(r.headers["x-fleet-node"]))
         if nodes == {"node-0", "node-1"}:
             break
     assert nodes == {"node-0", "node-1"}
@@ -187,16 +193,18 @@ def test_unknown_route_is_openai_404(http):
 
 def test_status_lists_nodes_replicas_and_models(fleet, http):
     status = fleet.status()
-    assert [n["node_id"] for n in status["nodes"]] == ["node-0", "node-1"] and all(n["alive"] for n in status["nodes"])
-    assert sorted((r["model"], r["node_id"]) for r in status["replicas"]) == [
-        (MODEL, "node-0"), (MODEL, "node-1"), (OTHER, "node-0"), (OTHER, "node-1")]
+    assert [n["name"] for n in status["nodes"]] == ["node-0", "node-1"] and all(n["alive"] for n in status["nodes"])
+    ids = [n["node_id"] for n in status["nodes"]]
+    assert [node_name(i) for i in ids] == ["node-0", "node-1"]  # a unique id per node, the name as its label
+    assert sorted((r["model"], r["node_id"]) for r in status["replicas"]) == sorted(
+        [(MODEL, ids[0]), (MODEL, ids[1]), (OTHER, ids[0]), (OTHER, ids[1])])
     for r in status["replicas"]:
         assert r["cache"]["enabled"] and r["cache"]["block_tokens"] == 64 and r["cache"]["ram"]["budget"] == 2 << 30
-    assert status["models"] == [{"name": MODEL, "replicas": 2, "nodes": ["node-0", "node-1"]},
-                                {"name": OTHER, "replicas": 2, "nodes": ["node-0", "node-1"]}]
+    assert status["models"] == [{"name": MODEL, "replicas": 2, "nodes": ids}, {"name": OTHER, "replicas": 2, "nodes": ids}]
+    assert status["replicas_source"] == "leases" and status["redis"]["reachable"]
     assert http.get("/v1/fleet/status").json()["models"] == status["models"]
     text = fleet.cli("status").stdout
-    assert "node-0" in text and "node-1" in text and MODEL in text and "cache " in text
+    assert ids[0] in text and ids[1] in text and MODEL in text and "cache " in text
 
 
 def test_no_live_replica_is_503_with_retry_after(fleet, http):
@@ -211,8 +219,8 @@ def test_no_live_replica_is_503_with_retry_after(fleet, http):
         err = error_of(r, 503)
         assert err["code"] == "no_replica_available" and r.headers["retry-after"] == "2"
         assert elapsed < 15
-        health = http.get("/health", timeout=30)
-        assert health.status_code == 503 and health.json()["models"] == {MODEL: False, OTHER: True}
+        health = wait_for_health(http, {MODEL: False, OTHER: True})  # once the frozen replicas' leases expire
+        assert health.status_code == 503
         other = http.post("/v1/chat/completions", json={"model": OTHER, "messages": HELLO, "max_tokens": 2})
         assert other.status_code == 200  # the other model is unaffected
     finally:
@@ -220,6 +228,16 @@ def test_no_live_replica_is_503_with_retry_after(fleet, http):
             os.kill(pid, signal.SIGCONT)
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 2})
     assert r.status_code == 200
+
+
+def wait_for_health(http, models: dict, timeout_s: float = 20.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = http.get("/health", timeout=5)
+        if r.json()["models"] == models or time.monotonic() > deadline:
+            assert r.json()["models"] == models
+            return r
+        time.sleep(0.5)
 
 
 def test_same_long_prompt_twice_is_served_from_cache_with_identical_text(http):
@@ -254,3 +272,256 @@ def test_streaming_reports_cached_tokens_in_header_and_usage(http):
         assert r.headers["x-fleet-cached-tokens"] == str(usage["prompt_tokens_details"]["cached_tokens"])
         hits.append(usage["prompt_tokens_details"]["cached_tokens"])
     assert max(hits) > 0
+
+
+# -- the front door: real bytes, off-loop tokenization, what requests mean ---------------------------------
+def gateway_rss(fleet) -> int:
+    return max(psutil.Process(pid).memory_info().rss for pid in fleet.replica_pids("Gateway"))
+
+
+def test_a_chunked_body_over_the_limit_is_413_as_soon_as_it_passes(fleet):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (100 << 20)}]}).encode()
+    chunks = (body[i:i + 65536] for i in range(0, len(body), 65536))  # no Content-Length: chunked framing
+    t0 = time.monotonic()
+    r = httpx.post(f"{fleet.url}/v1/chat/completions", content=chunks, timeout=120,
+                   headers={"content-type": "application/json"})
+    assert time.monotonic() - t0 < 30
+    assert error_of(r, 413)["code"] == "request_too_large"
+    assert gateway_rss(fleet) < 1 << 30
+
+
+def test_a_declared_oversized_body_is_413_before_it_is_read(fleet):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", fleet.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1073741824\r\n\r\n{}")  # 1 GiB promised, 2 bytes sent: no need to wait for more
+        reply = s.recv(65536).decode()
+    head, _, body = reply.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 413") and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def timed(fn) -> float:
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0
+
+
+def test_a_huge_prompt_is_refused_cheaply_and_never_stalls_other_requests(fleet, http):
+    small = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+    idle = sorted(timed(lambda: http.post("/v1/chat/completions", json=small)) for _ in range(5))[2]
+    huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * (3 << 20)}]}).encode()
+    result = {}
+
+    def send_huge():
+        result["r"] = httpx.post(f"{fleet.url}/v1/chat/completions", content=huge, timeout=60,
+                                 headers={"content-type": "application/json"})
+
+    worker = threading.Thread(target=send_huge)
+    worker.start()
+    busy = [timed(lambda: http.post("/v1/chat/completions", json=small))]
+    while worker.is_alive():
+        busy.append(timed(lambda: http.post("/v1/chat/completions", json=small)))
+    worker.join()
+    assert error_of(result["r"], 400)["code"] == "context_length_exceeded"
+    assert max(busy) <= 2 * idle + 0.05, (idle, busy)
+
+
+def test_a_long_prompt_that_passes_the_cheap_check_is_tokenized_and_refused(http):
+    text = "fleet " * 60_000  # far fewer characters than the cheap bound, still more tokens than fit
+    err = error_of(http.post("/v1/completions", json={"model": MODEL, "prompt": text}), 400)
+    assert err["code"] == "context_length_exceeded" and "tokens" in err["message"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_unsupported_chat_fields_are_refused_by_name(http, extra, param):
+    err = error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **extra}), 400)
+    assert err["param"] == param and "not supported" in err["message"]
+
+
+def test_best_of_is_refused_by_name(http):
+    err = error_of(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 2}), 400)
+    assert err["param"] == "best_of"
+
+
+def test_distinct_seeds_give_distinct_streams_and_out_of_range_seeds_are_400(client, http):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Seeds", max_tokens=16, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    texts = {seed: sample(seed) for seed in (0, 1 << 32, 1 << 40)}
+    assert len(set(texts.values())) == 3, texts  # once: all three collided
+    assert sample(1 << 40) == texts[1 << 40]  # the same seed, the same stream
+    err = error_of(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "seed": 1 << 70}), 400)
+    assert err["param"] == "seed"
+
+
+@pytest.mark.parametrize("raw,param,says", [
+    (b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content",
+     "surrogate"),
+    (b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "hi"}], "temperature": "0.5"}',
+     "temperature", "valid number"),
+])
+def test_error_messages_say_what_is_wrong(http, raw, param, says):
+    err = error_of(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}), 400)
+    assert err["param"] == param and says in err["message"]
+
+
+def test_a_body_that_is_not_utf8_is_400_with_a_code(http):
+    raw = b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    err = error_of(http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}), 400)
+    assert err["code"] == "invalid_json"
+
+
+def test_health_answers_fast_while_every_replica_is_busy(fleet, http):
+    body = {"model": MODEL, "prompt": "busy " * 20, "max_tokens": 100, "temperature": 0}
+    with ThreadPoolExecutor(40) as pool:
+        load = [pool.submit(httpx.post, f"{fleet.url}/v1/completions", json=body, timeout=300) for _ in range(40)]
+        time.sleep(3)  # every replica is at max_ongoing_requests now; more wait in the router
+        times = []
+        for _ in range(10):
+            t0 = time.monotonic()
+            r = http.get("/health", timeout=10)
+            times.append(time.monotonic() - t0)
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert max(times) < 1.0, times
+        codes = [f.result().status_code for f in load]
+        assert set(codes) <= {200, 503} and codes.count(200) >= 32  # beyond the queue: 503 + Retry-After
+
+
+def test_losing_a_gateway_replica_does_not_stall_the_endpoint(fleet, http):
+    pids = fleet.replica_pids("Gateway")
+    assert len(pids) == 2  # two by default
+    os.kill(pids[0], signal.SIGKILL)
+    times = []
+    for _ in range(10):
+        t0 = time.monotonic()
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 2}, timeout=30)
+        times.append(time.monotonic() - t0)
+        assert r.status_code == 200, r.text
+    assert max(times) < 5.0, times
+    deadline = time.monotonic() + 120
+    while len(fleet.replica_pids("Gateway")) < 2 and time.monotonic() < deadline:  # Serve replaces it
+        time.sleep(1)
+    assert len(fleet.replica_pids("Gateway")) == 2
+
+
+# -- security and visibility -------------------------------------------------------------------------------
+def listeners(fleet) -> list[tuple[str, str, int]]:
+    out = []
+    for p in fleet.processes():
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.append((p.name(), c.laddr.ip, c.laddr.port))
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_every_socket_of_the_fleet_listens_on_loopback(fleet):
+    found = listeners(fleet)
+    assert len(found) > 20  # GCS, raylets, dashboard, agents, workers, Serve, Redis ...
+    assert fleet.port in {port for _, _, port in found}
+    bad = [x for x in found if not (x[1].startswith("127.") or x[1] in ("::1",) or x[1].startswith("::ffff:127."))]
+    assert bad == []
+
+
+def test_negative_control_a_socket_on_all_interfaces_is_seen(fleet):
+    from cluster.fleet.processes import TAG_ENV
+    from cluster.fleet.state import fleet_tag
+
+    code = "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen(); print('up', flush=True); time.sleep(60)"
+    env = {**os.environ, TAG_ENV: fleet_tag(fleet.data_dir)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"up"
+        assert any(ip == "0.0.0.0" for _, ip, _ in listeners(fleet))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_no_credential_is_shown_anywhere(fleet, http):
+    secret = (fleet.data_dir / "redis" / "password").read_text().strip()
+    token = (fleet.data_dir / "ray-token").read_text().strip()
+    assert len(secret) > 16 and secret in fleet.state().redis_url  # the fleet's Redis has one
+    shown = [fleet.cli("status", "--json").stdout, fleet.cli("status").stdout, http.get("/v1/fleet/status").text,
+             fleet.up_output]
+    logs = [p.read_text(errors="replace") for p in Path(fleet.state().ray_temp_dir).rglob("*.log")]
+    logs += [p.read_text(errors="replace") for p in (fleet.data_dir / "logs").rglob("*.log")]
+    for text in shown + logs:
+        assert secret not in text and token not in text
+    assert "***@127.0.0.1" in shown[0]
+
+
+def test_files_with_secrets_are_private(fleet):
+    for path in (fleet.data_dir / "ray-token", fleet.data_dir / "redis" / "password", fleet.data_dir / "fleet.json"):
+        assert path.stat().st_mode & 0o077 == 0, path
+
+
+def test_the_dashboard_shows_the_serve_app_and_the_node_stores(fleet):
+    state = fleet.state()
+    token = (fleet.data_dir / "ray-token").read_text().strip()
+    auth = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=state.dashboard_url, timeout=10, trust_env=False) as dash:
+        assert dash.get("/api/serve/applications/").status_code == 401  # token auth is on
+        t0 = time.monotonic()
+        apps = dash.get("/api/serve/applications/", headers=auth)
+        assert time.monotonic() - t0 < 5 and apps.status_code == 200
+        deployments = apps.json()["applications"]["mlx-fleet"]["deployments"]
+        assert {"Gateway", "model-tiny-dense", "model-tiny-swa"} <= set(deployments)
+        actors = dash.get("/logical/actors", headers=auth).json()["data"]["actors"]
+        names = {a.get("name") for a in actors.values()}
+        ids = [n["node_id"] for n in fleet.status()["nodes"]]
+        assert {f"mlxf-store-{i}" for i in ids} <= names
+
+
+# -- fuzzing the schema --------------------------------------------------------------------------------------
+def bounded(case) -> None:
+    """Keep generation short (a fixed budget) and send a real model name half the time, so valid bodies
+    reach the replicas instead of stopping at 404."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    for field in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(field), int) and not isinstance(body.get(field), bool) and body[field] > 8:
+            body[field] = 8
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 4
+    if len(json.dumps(body, default=str)) % 2:
+        body["model"] = MODEL
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_fuzzed_requests_get_a_2xx_or_a_correct_4xx(fleet, mode):
+    """schemathesis against the gateway's own OpenAPI schema, a fixed budget of examples per mode."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{fleet.url}/openapi.json")
+    generation = schemathesis.GenerationMode.POSITIVE if mode == "positive" else schemathesis.GenerationMode.NEGATIVE
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=80, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=schema.as_strategy(generation))
+    def check(case):
+        bounded(case)
+        response = case.call(timeout=60)  # a hang fails here
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (response.status_code, response.text[:500], case.method, case.path, case.body)
+        if response.status_code >= 400:
+            err = response.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+    check()
+    assert sum(seen.values()) >= 40, seen
+    if mode == "positive":
+        assert any(code < 300 for code in seen), seen  # valid bodies do reach the replicas
