@@ -79,17 +79,6 @@ class Dispatcher:
             raise model_not_found(name, sorted(self.models))
         return served
 
-    async def alive_models(self, timeout_s: float = 2.0) -> dict[str, bool]:
-        async def ping(served: ServedModel) -> bool:
-            try:
-                await asyncio.wait_for(served.handle.ping.remote(), timeout_s)
-                return True
-            except Exception:
-                return False
-
-        results = await asyncio.gather(*(ping(m) for m in self.models.values()))
-        return dict(zip(self.models, results))
-
     async def start(self, served: ServedModel, request: GenerateRequest) -> Run:
         """Send the request and return once it has started (or ended); retry lost replicas."""
         for attempt in range(ATTEMPTS):

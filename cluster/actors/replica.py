@@ -146,9 +146,6 @@ class ModelReplica:
         return {"enabled": True, "namespace": self.cache.fingerprint.short,
                 "admission_timeouts": self.admission.timeouts, **self.cache.cache.stats()}
 
-    async def ping(self) -> str:
-        return self.node.node_id
-
     def check_health(self) -> None:
         if not self.scheduler.alive:
             raise RuntimeError("model thread died")

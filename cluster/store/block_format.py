@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Optional
 
 import msgpack
 import numpy as np
