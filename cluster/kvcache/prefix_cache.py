@@ -156,7 +156,7 @@ class PrefixCache:
 
     # -- store (model thread) ---------------------------------------------------------------
     def store_block(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], caches: list) -> None:
-        if self.tiers.held_in_ram(block_id):
+        if self.tiers.ram.present([block_id])[0]:
             return
         start = index * self.B
         entries = _host([capture_block(spec, cache, start, start + self.B, self.B)
@@ -166,7 +166,7 @@ class PrefixCache:
 
     def store_state(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], state: list) -> None:
         key = state_key(block_id)
-        if self.tiers.held_in_ram(key):
+        if self.tiers.ram.present([key])[0]:
             return
         self._put(key, "state", block_id, parent, index * self.B, tokens, _host(state))
         self.counters.checkpoints_stored += 1

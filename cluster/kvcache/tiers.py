@@ -36,9 +36,6 @@ class Tiers:
         if self.disk is not None:
             self.disk.put(key, data)
 
-    def held_in_ram(self, key: bytes) -> bool:
-        return self.ram.present([key])[0]
-
     def discard(self, key: bytes, reason: str, detail: str = "") -> None:
         """A block that failed to decode or restore: out of RAM (never spilled), quarantined on disk."""
         self.ram.discard(key, reason)

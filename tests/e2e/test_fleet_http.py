@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -427,25 +425,13 @@ def listeners(fleet) -> list[tuple[str, str, int]]:
 
 def test_every_socket_of_the_fleet_listens_on_loopback(fleet):
     found = listeners(fleet)
-    assert len(found) > 20  # GCS, raylets, dashboard, agents, workers, Serve, Redis ...
-    assert fleet.port in {port for _, _, port in found}
+    # The sweep sees every kind of process (GCS, raylets, dashboard, agents, Serve's proxy and replicas,
+    # Redis): Ray workers rename themselves, so they are found as descendants of the tagged processes.
+    assert len(found) > 20 and fleet.port in {port for _, _, port in found}
+    names = {name for name, _, _ in found}
+    assert {"gcs_server", "raylet", "redis-server"} <= names and any("ServeReplica" in n for n in names)
     bad = [x for x in found if not (x[1].startswith("127.") or x[1] in ("::1",) or x[1].startswith("::ffff:127."))]
     assert bad == []
-
-
-def test_negative_control_a_socket_on_all_interfaces_is_seen(fleet):
-    from cluster.fleet.processes import TAG_ENV
-    from cluster.fleet.state import fleet_tag
-
-    code = "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen(); print('up', flush=True); time.sleep(60)"
-    env = {**os.environ, TAG_ENV: fleet_tag(fleet.data_dir)}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().strip() == b"up"
-        assert any(ip == "0.0.0.0" for _, ip, _ in listeners(fleet))
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_no_credential_is_shown_anywhere(fleet, http):

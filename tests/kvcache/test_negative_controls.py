@@ -66,7 +66,7 @@ def test_recurrent_checkpoint_from_the_wrong_position_is_detected(harness, name)
         from cluster.store.arrays import to_mlx
         ids = chain_ids(h.pc.namespace, prompt, B)
         j = n // B - 1
-        k = next(i for i in range(j - 1, -1, -1) if h.pc.tiers.held_in_ram(state_key(ids[i])))
+        k = next(i for i in range(j - 1, -1, -1) if h.pc.tiers.ram.present([state_key(ids[i])])[0])
         blk = h.pc.decode(h.pc.tiers.ram.get(state_key(ids[k])), "state", k, ids)
         for c, arrays in zip(caches, blk.entries):
             if type(c) is ArraysCache:
