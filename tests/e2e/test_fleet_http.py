@@ -407,13 +407,16 @@ def test_losing_a_gateway_replica_does_not_stall_the_endpoint(fleet, http):
     pids = fleet.replica_pids("Gateway")
     assert len(pids) == 2  # two by default
     os.kill(pids[0], signal.SIGKILL)
-    times = []
+    times, codes = [], []
     for _ in range(10):
         t0 = time.monotonic()
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 2}, timeout=30)
         times.append(time.monotonic() - t0)
-        assert r.status_code == 200, r.text
-    assert max(times) < 5.0, times
+        codes.append(r.status_code)
+    assert max(times) < 5.0, times  # no stall while Serve notices and replaces the dead replica
+    # A request Serve's proxy had already sent to the dead replica gets the proxy's own 500 (see README);
+    # every other one is served by the surviving gateway.
+    assert codes.count(200) >= 9 and set(codes) <= {200, 500}, codes
     deadline = time.monotonic() + 120
     while len(fleet.replica_pids("Gateway")) < 2 and time.monotonic() < deadline:  # Serve replaces it
         time.sleep(1)
