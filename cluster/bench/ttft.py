@@ -14,7 +14,8 @@ The target is cached/cold <= 0.05 on a realistic-shape model, from RAM and from 
 bench-qwen3-0.6b is the Qwen3-0.6B geometry with random float32 weights (built
 on first use, 1.8 GB). Its cold 2k prefill is slow on the CPU backend; on Linux
 preload an optimized BLAS for this benchmark:
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_CORETYPE=SkylakeX mlx-fleet bench ttft
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 [OPENBLAS_CORETYPE=SkylakeX] mlx-fleet bench ttft
+    (the core type only on a CPU with AVX-512: elsewhere it crashes with SIGILL)
 """
 
 from __future__ import annotations
