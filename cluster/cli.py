@@ -16,7 +16,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from cluster.config import AppConfig, CacheConfig, FleetConfig, GatewayConfig, ModelSpec, default_data_dir
+from cluster.config import (AppConfig, CacheConfig, FleetConfig, GatewayConfig, ModelSpec, RoutingConfig,
+                            default_data_dir)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer <key>' with one of the keys in FILE (one per line); "
                          "MLX_FLEET_API_KEYS (comma-separated) adds more")
     up.add_argument("--gateways", type=int, default=None, help="gateway replicas (default 2)")
+    up.add_argument("--routing", default=None, choices=["affinity", "pow2", "round_robin"],
+                    help="how requests pick a replica (default affinity: the one predicted to answer first)")
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     up.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the fleet")
     _data_dir(up)
@@ -83,7 +86,9 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
     gateway = {k: v for k, v in {"assign_timeout_s": a.assign_timeout, "replicas": a.gateways,
                                  "api_keys_file": str(Path(a.api_keys_file).expanduser().resolve())
                                  if a.api_keys_file else None}.items() if v is not None}
-    app = AppConfig(models=models, redis_url=a.redis_url, cache=CacheConfig(**cache), gateway=GatewayConfig(**gateway))
+    routing = {"policy": a.routing} if a.routing else {}
+    app = AppConfig(models=models, redis_url=a.redis_url, cache=CacheConfig(**cache), gateway=GatewayConfig(**gateway),
+                    routing=RoutingConfig(**routing))
     return FleetConfig(nodes=a.nodes, port=a.port, host=a.host, redis_url=a.redis_url,
                        data_dir=a.data_dir or default_data_dir(), dashboard=not a.no_dashboard,
                        foreground=a.foreground, app=app)

@@ -136,6 +136,34 @@ class GatewayConfig(_Config):
     retry_after_s: int = Field(2, ge=1, description="Retry-After seconds sent with 503 responses.")
 
 
+class RoutingConfig(_Config):
+    """How the gateway picks a replica: the policy, and the inputs of its time-to-first-token model."""
+
+    policy: Literal["affinity", "pow2", "round_robin"] = Field(
+        "affinity",
+        description="'affinity': the replica predicted to answer first, from the fleet index (cached prefix, load, prefill speed, peer fetches); 'pow2': Serve's power of two choices; 'round_robin'. The last two ignore the cache; they exist to compare against.",
+    )
+    load_factor: float = Field(
+        1.25, ge=1.0, le=4.0,
+        description="Bounded load: no replica takes a request while it holds more than load_factor x the mean load (+1). Affinity never switches off: among the replicas under the bound, the fastest predicted answer wins.",
+    )
+    default_prefill_tps: float = Field(2000.0, gt=0, description="Prefill tokens/s assumed for a replica that has not measured its own yet.")
+    default_link_bytes_per_s: float = Field(200e6, gt=0, description="Peer-to-peer block transfer bytes/s assumed until a replica has measured a link.")
+    lookup_timeout_s: float = Field(1.0, gt=0, description="Deadline of one index lookup (normally well under a millisecond; this bounds a stalled Redis or a gateway swamped by a burst); past it the request is routed by power of two choices (reason=fallback).")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="Deadline for pulling blocks from a peer; past it the rest is recomputed.")
+    index_flush_s: float = Field(0.2, gt=0, description="How often a replica flushes its block events into the fleet index.")
+    index_gc_s: float = Field(10.0, gt=0, description="How often a replica removes dead nodes' entries from the index.")
+
+
+class RedisConfig(_Config):
+    """How every process connects to the shared Redis (the URL is AppConfig.redis_url)."""
+
+    password: Optional[str] = Field(None, description="Password, if it is not in the URL. Never shown in status or logs.")
+    tls_ca_file: Optional[str] = Field(None, description="CA bundle to verify a rediss:// (TLS) server with; default: the system's.")
+    connect_timeout_s: float = Field(2.0, gt=0, description="Deadline for opening a connection.")
+    socket_timeout_s: float = Field(2.0, gt=0, description="Deadline for one command of background work (leases, index updates, status).")
+
+
 class AppConfig(_Config):
     """Everything the Serve application is built from (`cluster.actors.app:build_app`)."""
 
@@ -151,6 +179,8 @@ class AppConfig(_Config):
     cache: CacheConfig = Field(default_factory=CacheConfig, description="KV block cache settings, shared by all models.")
     gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="Gateway settings.")
     lease_ttl_s: float = Field(6.0, gt=1, description="A replica whose lease in Redis is older than this is considered gone.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How requests are routed to replicas.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection settings.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":

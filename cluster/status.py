@@ -51,7 +51,13 @@ def live_store_stats() -> list[dict]:
              if a.get("namespace") == RAY_NAMESPACE and a["name"].startswith("mlxf-store-")]
     refs = [ray.get_actor(name, namespace=RAY_NAMESPACE).stats.remote() for name in names]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STORE_DEADLINE_S) if refs else ([], [])
-    return [ray.get(r) for r in ready]
+    out = []
+    for ref in ready:
+        try:
+            out.append(ray.get(ref))
+        except Exception:  # a store on a lost node: it answers with an error, not with stats
+            continue
+    return out
 
 
 def published_store_stats(client) -> list[dict]:
@@ -103,7 +109,8 @@ def fleet_status(redis_url: Optional[str], models: list[str], data_dir: Optional
         disk = stores.get(n["ray_node_id"])
         n["node_id"] = disk.get("node_id") if disk else None
         n["disk"] = disk
-    out = {"nodes": nodes, "replicas": replicas, "redis": redis_state}
+    out = {"nodes": nodes, "replicas": replicas, "redis": redis_state,
+           "fleet": fleet_numbers(replicas, _gateways(redis_url), _index_size(redis_url, replicas))}
     if redis_state["reachable"]:
         out["replicas_source"] = "leases"
         per_model = {m: sorted(r["node_id"] for r in replicas if r.get("model") == m) for m in models}
@@ -113,6 +120,71 @@ def fleet_status(redis_url: Optional[str], models: list[str], data_dir: Optional
         counts = serve_replicas(models)
         out["models"] = [{"name": m, "replicas": counts[m], "nodes": None} for m in models]
     return out
+
+
+def fleet_numbers(replicas: list[dict], gateways: list[dict], index: dict) -> dict:
+    """Fleet-level numbers: reuse (per node and fleet-wide), routes by reason, migration, index, cost model."""
+    prompt = sum(r.get("prompt_tokens", 0) for r in replicas)
+    cached = sum(r.get("cached_tokens", 0) for r in replicas)
+    per_node: dict[str, list[int]] = {}
+    for r in replicas:
+        acc = per_node.setdefault(r["node_id"], [0, 0])
+        acc[0] += r.get("cached_tokens", 0)
+        acc[1] += r.get("prompt_tokens", 0)
+    reasons: dict[str, int] = {}
+    for g in gateways:
+        for k, v in (g.get("reasons") or {}).items():
+            reasons[k] = reasons.get(k, 0) + v
+    migration = [(r.get("cache") or {}).get("migration") or {} for r in replicas]
+    p99 = [g["lookup_ms_p99"] for g in gateways if g.get("lookup_ms_p99") is not None]
+    p50 = [g["lookup_ms_p50"] for g in gateways if g.get("lookup_ms_p50") is not None]
+    return {
+        "reuse": round(cached / prompt, 4) if prompt else None,
+        "reuse_per_node": {n: round(c / p, 4) if p else None for n, (c, p) in sorted(per_node.items())},
+        "fetched_tokens": sum(r.get("fetched_tokens", 0) for r in replicas),
+        "routes": reasons,
+        "lookup_ms_p50": max(p50) if p50 else None, "lookup_ms_p99": max(p99) if p99 else None,
+        "migrated_blocks": sum(m.get("blocks", 0) for m in migration),
+        "migrated_bytes": sum(m.get("bytes", 0) for m in migration),
+        "migration_failures": sum(m.get("failures", 0) for m in migration),
+        "index_entries": index,
+        "cost_model": {r["node_id"]: {"model": r.get("model"), "prefill_tps": r.get("prefill_tps"),
+                                      "link_bytes_per_s": ((r.get("cache") or {}).get("migration") or {})
+                                      .get("link_bytes_per_s", {})} for r in replicas},
+    }
+
+
+def _gateways(redis_url: Optional[str]) -> list[dict]:
+    if not redis_url:
+        return []
+    import msgpack
+
+    from cluster.store.keys import gateway_pattern
+    from cluster.store.redis_client import connect
+
+    try:
+        client = connect(redis_url)
+        keys = sorted(client.scan_iter(match=gateway_pattern(), count=1000))
+        out = [msgpack.unpackb(raw, strict_map_key=False) for raw in (client.mget(keys) if keys else []) if raw]
+        client.close()
+        return out
+    except Exception:
+        return []
+
+
+def _index_size(redis_url: Optional[str], replicas: list[dict]) -> dict:
+    """Index entries per model namespace and node."""
+    namespaces = {(r.get("cache") or {}).get("namespace_hex") for r in replicas} - {None}
+    if not redis_url or not namespaces:
+        return {}
+    from cluster.store.fleet_index import FleetIndex
+    from cluster.store.redis_client import connect
+
+    try:
+        index = FleetIndex(connect(redis_url))
+        return {ns[:16]: index.size(bytes.fromhex(ns)) for ns in sorted(namespaces)}
+    except Exception:
+        return {}
 
 
 def _supervised(data_dir: Optional[str]) -> dict:

@@ -36,3 +36,43 @@ def load_builtin(data_dir):
         return loaded[name]
 
     return _load
+
+
+@pytest.fixture(scope="session")
+def redis_process(tmp_path_factory):
+    """A real redis-server of our own, on a free loopback port, no persistence."""
+    import subprocess
+    import time
+
+    import redis
+
+    from cluster.fleet.ports import free_port
+    from cluster.fleet.redis_server import find_redis_server
+
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def redis_url(redis_process):
+    """The session's Redis, emptied for this test."""
+    import redis
+
+    redis.Redis.from_url(redis_process).flushall()
+    return redis_process

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cluster.actors.gateway import Gateway
 from cluster.actors.replica import ModelReplica
+from cluster.actors.router import PlanRouter
 from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec
 
 REPLICA_RESOURCE_SHARE = 0.001
@@ -37,6 +39,8 @@ def replica_deployment(spec: ModelSpec, config: AppConfig, nodes: int):
         max_replicas_per_node=1,
         max_ongoing_requests=spec.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, "resources": {NODE_RESOURCE: REPLICA_RESOURCE_SHARE}},
+        # The gateway's route plan rides in the request; this router honours it (router.py).
+        request_router_config=RequestRouterConfig(request_router_class=PlanRouter),
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=30,

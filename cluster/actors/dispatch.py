@@ -1,28 +1,33 @@
 """From a tokenized request to a running generation on some replica.
 
-`Dispatcher` sends the request to the model's deployment and waits, with a
-bound, for a replica to accept it; a replica that dies before any output
-reached the client is replaced by another attempt, so the client never sees
-that failure. (Tokenizing and limits: served_model.py.)
+`Dispatcher` plans the route (routing.py: one index lookup), sends the
+request with its plan to the model's deployment (whose router honours it) and
+waits, with a bound, for a replica to accept it; a replica that dies before any
+output reached the client is replaced by another attempt, so the client never
+sees that failure. It counts its requests in flight per node, which the next
+plans see at once. (Tokenizing and limits: served_model.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Optional
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from cluster.actors.plan import RoutePlan
+from cluster.actors.routing import Affinity
 from cluster.actors.served_model import ServedModel
 from cluster.api.errors import APIError, model_not_found, unavailable
 from cluster.config import AppConfig
 from cluster.engine.events import Accepted, Delta, Event, Failed, Finished, Started
-from cluster.engine.request import GenerateRequest
+from cluster.actors.plan import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +40,21 @@ class Run:
     """A request accepted by a replica: what it said so far and the rest of its stream."""
 
     node_id: str
-    route: str
+    plan: RoutePlan
     buffered: list[Event]
     stream: AsyncIterator[Event]
     response: object
     cached_tokens: int = 0
+    started: Optional[Started] = None
+    on_close: Optional[Callable[[], None]] = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
+
+    @property
+    def route(self) -> str:
+        s = self.started
+        fetched = s.fetched_tokens if s else 0
+        return self.plan.header(self.node_id, (s.cached_tokens if s else 0) - fetched, fetched,
+                                s.fetched_from if s else None)
 
     async def events(self) -> AsyncIterator[Event]:
         for event in self.buffered:
@@ -56,6 +70,8 @@ class Run:
     def cancel(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.on_close is not None:
+                self.on_close()
             try:
                 self.response.cancel()
             except Exception:
@@ -72,6 +88,7 @@ class Dispatcher:
         self.executor = ThreadPoolExecutor(config.gateway.tokenizer_threads, thread_name_prefix="mlx-fleet-tokenize")
         self.models = {spec.name: ServedModel(spec, data_dir, handles[spec.name], self.executor)
                        for spec in config.models}
+        self.router: Optional[Affinity] = None  # set by the gateway once it has its Redis client
 
     def model(self, name: str) -> ServedModel:
         served = self.models.get(name)
@@ -80,16 +97,41 @@ class Dispatcher:
         return served
 
     async def start(self, served: ServedModel, request: GenerateRequest) -> Run:
-        """Send the request and return once it has started (or ended); retry lost replicas."""
-        for attempt in range(ATTEMPTS):
-            try:
-                return await self._attempt(served, request)
-            except _REPLICA_LOST as e:
-                log.warning("replica lost before %s started (attempt %d): %s", request.request_id, attempt + 1, e)
-        raise unavailable(f"no replica of '{served.name}' could take the request; retry shortly",
-                          self.config.gateway.retry_after_s)
+        """Plan, send the request and return once it has started (or ended); retry lost replicas."""
+        if request.route is None:
+            plan = (await self.router.plan(served.name, list(request.prompt_tokens)) if self.router is not None
+                    else RoutePlan(policy="pow2", reason="fallback"))
+            request = dataclasses.replace(request, route=plan)
+        # Counted on the planned node at once, so the next plans (made before this one reaches its
+        # replica) see it; moved to the node that really accepts it.
+        reserved = self._reserve(request.route.node_id)
+        try:
+            for attempt in range(ATTEMPTS):
+                try:
+                    return await self._attempt(served, request, reserved)
+                except _REPLICA_LOST as e:
+                    log.warning("replica lost before %s started (attempt %d): %s", request.request_id, attempt + 1, e)
+            raise unavailable(f"no replica of '{served.name}' could take the request; retry shortly",
+                              self.config.gateway.retry_after_s)
+        except BaseException:
+            reserved()  # never started: give the reservation back
+            raise
 
-    async def _attempt(self, served: ServedModel, request: GenerateRequest) -> Run:
+    def _reserve(self, node_id: Optional[str]) -> Callable[[], None]:
+        """Count a request on `node_id` now; returns the (idempotent) release."""
+        if self.router is None or node_id is None:
+            return lambda: None
+        self.router.track(node_id, +1)
+        released = []
+
+        def release():
+            if not released:
+                released.append(True)
+                self.router.track(node_id, -1)
+
+        return release
+
+    async def _attempt(self, served: ServedModel, request: GenerateRequest, reserved: Callable[[], None]) -> Run:
         response = served.handle.options(stream=True).generate.remote(request)
         stream = _flatten(response)
         try:
@@ -102,16 +144,19 @@ class Dispatcher:
             response.cancel()
             raise
         assert isinstance(first, Accepted), first
-        run = Run(node_id=first.node_id, route="pow2", buffered=[], stream=stream, response=response)
+        run = Run(node_id=first.node_id, plan=request.route, buffered=[], stream=stream, response=response)
+        reserved()
+        run.on_close = self._reserve(first.node_id)
         try:
             async for event in stream:
                 run.buffered.append(event)
                 if isinstance(event, Started):
                     run.cached_tokens = event.cached_tokens
+                    run.started = event
                 if isinstance(event, (Started, Finished, Failed)):
                     break
         except BaseException:
-            response.cancel()
+            run.cancel()
             raise
         return run
 

@@ -23,7 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.actors import loopback
 from cluster.actors.dispatch import Dispatcher
+from cluster.actors.fleet_view import FleetView
+from cluster.actors.gateway_stats import GatewayStats
 from cluster.actors.health import Health
+from cluster.actors.routing import Affinity
 from cluster.actors.served_model import ServedModel
 from cluster.api.errors import APIError, from_validation_errors, internal
 from cluster.api.front_door import FrontDoor, FrontDoorSettings
@@ -33,6 +36,8 @@ from cluster.api.schemas import ChatCompletionRequest, CompletionRequest
 from cluster.config import AppConfig
 from cluster.engine.events import Delta, Failed, Finished
 from cluster.status import fleet_status
+from cluster.store.fleet_index import FleetIndex
+from cluster.store.redis_client import aconnect
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,11 @@ class Gateway:
         front_door.max_body_bytes = config.gateway.max_body_bytes
         front_door.keys = ApiKeys(read_keys(config.gateway.api_keys_file))
         self.dispatch = Dispatcher(config, handles)
-        self.health_check = Health(config.redis_url, {m.name: m.deployment for m in config.models})
+        client = aconnect(config.redis_url, config.redis, config.routing.lookup_timeout_s) if config.redis_url else None
+        self.view = FleetView(client)
+        self.dispatch.router = Affinity(FleetIndex(client) if client is not None else None, self.view, config.routing)
+        self.stats = GatewayStats(client, self.dispatch.router)
+        self.health_check = Health(self.view, {m.name: m.deployment for m in config.models})
         log.info("gateway ready: %d model(s), %d API key(s)", len(config.models), len(front_door.keys))
 
     def check_health(self) -> None:
@@ -116,6 +125,8 @@ class Gateway:
         return await self._respond(served, body, prompt, reply, echo)
 
     async def _respond(self, served: ServedModel, body, prompt: list[int], reply: Reply, echo: str = ""):
+        self.view.start()
+        self.stats.start()
         request = served.make_request(body, prompt, chat=reply.chat)
         if body.stream:
             run = await self.dispatch.start(served, request)

@@ -35,17 +35,19 @@ LEASE_TTL_S = 120.0
 
 class NodeStore:
     def __init__(self, node_id: str, node_name: str, node_dir: str, budget: Optional[int], redis_url: Optional[str],
-                 stats_ttl_s: float = 6.0):
+                 redis_settings: Optional[dict] = None, stats_ttl_s: float = 6.0):
         import ray
 
         self.node_id = node_id
         self.node_name = node_name
         self.ray_node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self.disk = DiskStore(Path(node_dir), budget)
+        self.served = {"blocks": 0, "bytes": 0}  # sent to peers
         self._leases: dict[int, tuple[bytes, list[bytes], float]] = {}
         self._next_lease = 0
         self._stop = threading.Event()
         self._redis_url = redis_url
+        self._redis_settings = redis_settings
         self._stats_ttl_s = stats_ttl_s
         threading.Thread(target=self._maintain, name="mlx-fleet-store", daemon=True).start()
         log.info("node store for %s at %s: %s", node_id, node_dir, self.disk.recovery)
@@ -59,6 +61,9 @@ class NodeStore:
 
     async def keys(self, ns: bytes) -> list[bytes]:
         return self.disk.keys(ns)
+
+    async def holdings(self, ns: bytes) -> list[tuple[bytes, str, bytes]]:
+        return self.disk.holdings(ns)
 
     async def touch(self, ns: bytes, keys: list[bytes]) -> int:
         return await asyncio.to_thread(self.disk.touch, ns, keys)
@@ -75,6 +80,13 @@ class NodeStore:
         self._leases[self._next_lease] = (ns, [k for k, loc in zip(keys, located) if loc], time.monotonic() + ttl_s)
         return self._next_lease, located
 
+    async def read_blocks(self, ns: bytes, keys: list[bytes]) -> list:
+        """Verified block bytes for a peer (migration); a miss or a bad block (quarantined here) is None."""
+        got = await asyncio.to_thread(self.disk.read_many, ns, keys)
+        self.served["blocks"] += sum(1 for g in got if g is not None)
+        self.served["bytes"] += sum(len(g) for g in got if g is not None)
+        return got
+
     async def close_read(self, lease: int, good: list[bytes], failed: list[ReadFailure]) -> None:
         entry = self._leases.pop(lease, None)
         if entry is None:
@@ -88,7 +100,8 @@ class NodeStore:
 
     def _stats(self) -> dict:
         return {"node_id": self.node_id, "node_name": self.node_name, "ray_node_id": self.ray_node_id,
-                "read_leases": len(self._leases), "renewed": time.time(), **self.disk.stats()}
+                "read_leases": len(self._leases), "renewed": time.time(), "served_to_peers": dict(self.served),
+                **self.disk.stats()}
 
     async def events_since(self, cursor: int, epoch: Optional[str] = None, limit: int = 10_000) -> EventBatch:
         """Block events after `cursor`, exactly once, or with `gap` set (see store/events.py)."""
@@ -115,7 +128,10 @@ class NodeStore:
         from cluster.store.redis_client import connect
 
         try:
-            client = client or connect(self._redis_url)
+            from cluster.config import RedisConfig
+
+            settings = RedisConfig(**self._redis_settings) if self._redis_settings else None
+            client = client or connect(self._redis_url, settings)
             payload = self._stats()
             client.set(node_stats_key(self.node_id), msgpack.packb(payload), px=int(self._stats_ttl_s * 1000))
         except redis.RedisError as e:
@@ -124,7 +140,7 @@ class NodeStore:
         return client
 
 
-def get_or_create(node, budget: Optional[int], redis_url: Optional[str]):
+def get_or_create(node, budget: Optional[int], redis_url: Optional[str], redis_settings: Optional[dict] = None):
     """This node's store actor (created on first use, pinned to the calling process's node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -134,6 +150,6 @@ def get_or_create(node, budget: Optional[int], redis_url: Optional[str]):
         num_cpus=0, max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
     )
-    handle = actor.remote(node.node_id, node.name, str(node.data_dir), budget, redis_url)
+    handle = actor.remote(node.node_id, node.name, str(node.data_dir), budget, redis_url, redis_settings)
     ray.get(handle.ping.remote(), timeout=120)
     return handle

@@ -21,16 +21,20 @@ from pathlib import Path
 from cluster.actors import loopback, node_store
 from cluster.config import AppConfig, ModelSpec
 from cluster.engine.cold_session import ColdSession
-from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished
-from cluster.engine.request import GenerateRequest
+from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished, Started
+from cluster.actors.plan import GenerateRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.kvcache.admission import Admission
+from cluster.kvcache.index_publisher import IndexPublisher
+from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.session import BlockSession
 from cluster.kvcache.store_link import ActorLink
 from cluster.models.resolve import resolve_model
 from cluster.node import current_node
+from cluster.store.fleet_index import FleetIndex
 from cluster.store.leases import LeaseWriter
+from cluster.store.redis_client import connect
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +52,33 @@ class ModelReplica:
         link = self._disk_link(app)
         self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}")
         self.path, self.model, self.tokenizer, self.cache, self.memory = self.scheduler.run(lambda: self._load(app, link))
-        self.admission = None
+        self.ray_node_id = _ray_node_id()
+        self.admission = self.peers = self.publisher = None
         if self.cache.cache is not None:
+            self.peers = PeerClient(self.cache.cache.namespace)
             self.admission = Admission(self.cache.cache, ThreadPoolExecutor(ADMISSION_THREADS, "mlx-fleet-admit"),
-                                       app.cache.admission_timeout_s)
-        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0,
-                         "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+                                       app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
+                         "cached_tokens": 0, "fetched_tokens": 0, "completion_tokens": 0}
         self.lease = None
         if app.redis_url:
-            self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats)
+            self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats,
+                                     app.redis)
+            if self.cache.cache is not None:
+                self.publisher = self._publish(app)
         log.info("replica of %s ready on node %s (%s)", spec.name, self.node.node_id, self.path)
+
+    def _publish(self, app: AppConfig) -> IndexPublisher:
+        """Announce this node's blocks of the model in the fleet index, and keep them true from the tiers' events."""
+        tiers = self.cache.cache.tiers
+        index = FleetIndex(connect(app.redis_url, app.redis))
+        publisher = IndexPublisher(index, self.cache.cache.namespace, self.node.node_id, tiers, self.index_lease,
+                                   app.lease_ttl_s, app.routing.index_flush_s, app.routing.index_gc_s)
+        tiers.listener = publisher.on_event
+        if tiers.disk is not None:
+            tiers.disk.on_events = publisher.on_events
+            tiers.disk.on_resync = publisher.on_disk_resync
+        return publisher
 
     def _load(self, app: AppConfig, link):
         """Runs on the model thread: memory limits, weights (a built-in model is built with MLX), the cache probe."""
@@ -77,7 +98,7 @@ class ModelReplica:
         if not (app.cache.enabled and app.cache.disk):
             return None
         try:
-            handle = node_store.get_or_create(self.node, app.cache.disk_bytes, app.redis_url)
+            handle = node_store.get_or_create(self.node, app.cache.disk_bytes, app.redis_url, app.redis.model_dump())
             return ActorLink(handle)
         except Exception as e:  # serve from RAM rather than not at all
             log.warning("no disk tier on node %s (%s); caching in RAM only", self.node.node_id, e)
@@ -90,7 +111,8 @@ class ModelReplica:
         self.counters["requests"] += 1
         yield [Accepted(self.node.node_id)]
         prompt = list(request.prompt_tokens)
-        session = await self._session(prompt)
+        pull = request.route.fetch if request.route is not None else None
+        session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
         seq = Sequence(prompt, request.params, self.model, self.tokenizer, session, self.spec.prefill_step_tokens)
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
         ended = False
@@ -108,16 +130,19 @@ class ModelReplica:
                 self.counters["cancelled"] += 1
                 self.scheduler.cancel(request.request_id)
 
-    async def _session(self, prompt: list[int]):
-        """The admission stage: the cached prefix is fetched here, before the model thread sees the request."""
+    async def _session(self, prompt: list[int], pull=None):
+        """The admission stage: the cached prefix is fetched here (and pulled from a peer if the plan says
+        so), before the model thread sees the request."""
         if self.admission is None:
             return ColdSession(self.model)
-        prefetch = await self.admission.fetch_async(prompt)
+        prefetch = await self.admission.fetch_async(prompt, pull)
         return BlockSession(self.cache.cache, prompt, prefetch)
 
     def _count(self, events: list[Event]) -> None:
         for e in events:
-            if isinstance(e, Finished):
+            if isinstance(e, Started):
+                self.counters["fetched_tokens"] += e.fetched_tokens
+            elif isinstance(e, Finished):
                 self.counters["finished"] += 1
                 self.counters["prompt_tokens"] += e.prompt_tokens
                 self.counters["cached_tokens"] += e.cached_tokens
@@ -130,12 +155,14 @@ class ModelReplica:
         return {
             "node_id": self.node.node_id,
             "node_name": self.node.name,
+            "ray_node_id": self.ray_node_id,
             "model": self.spec.name,
             "pid": os.getpid(),
             "started": self.started,
             "renewed": time.time(),
             "active": self.scheduler.active,
             "healthy": self.scheduler.alive,
+            "prefill_tps": round(self.scheduler.prefill_tps, 1),
             **self.counters,
             "cache": self.cache_stats(),
         }
@@ -143,8 +170,26 @@ class ModelReplica:
     def cache_stats(self) -> dict:
         if self.cache.cache is None:
             return {"enabled": False, "reason": self.cache.disabled_reason}
-        return {"enabled": True, "namespace": self.cache.fingerprint.short,
-                "admission_timeouts": self.admission.timeouts, **self.cache.cache.stats()}
+        pc = self.cache.cache
+        return {"enabled": True, "namespace": self.cache.fingerprint.short, "namespace_hex": pc.namespace.hex(),
+                "recurrent": pc.layout.has_recurrent, "boundary_only": pc.planner.boundary_only,
+                "admission_timeouts": self.admission.timeouts, "migration": self.migration_stats(),
+                "index": self.publisher.counters if self.publisher else None, **pc.stats()}
+
+    def migration_stats(self) -> dict:
+        return {**self.peers.counters, "link_bytes_per_s": {k: round(v) for k, v in self.peers.link_bps.items()}}
+
+    def index_lease(self) -> dict:
+        """What routing reads about this node in the fleet index (store/fleet_index.py)."""
+        import psutil
+
+        pc = self.cache.cache
+        return {"node_name": self.node.name, "ray_node_id": self.ray_node_id, "model": self.spec.name,
+                "prefill_tps": round(self.scheduler.prefill_tps, 1), **self.scheduler.load(),
+                "block_bytes": pc.shapes.kv_bytes_per_token * pc.B, "state_bytes": pc.shapes.state_bytes,
+                "link_bps": {k: round(v) for k, v in self.peers.link_bps.items()},
+                "free_memory": psutil.virtual_memory().available,
+                "disk_blocks": len(pc.tiers.disk.on_disk) if pc.tiers.disk is not None else 0}
 
     def check_health(self) -> None:
         if not self.scheduler.alive:
@@ -160,9 +205,18 @@ class ModelReplica:
         lease = getattr(self, "lease", None)
         if lease is not None:
             lease.close()
+        publisher = getattr(self, "publisher", None)
+        if publisher is not None:
+            publisher.close()
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.stop()
+
+
+def _ray_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue):

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from cluster.api.errors import bad_request
 from cluster.config import ModelSpec
-from cluster.engine.request import GenerateRequest, GenerationParams, SamplingParams
+from cluster.actors.plan import GenerateRequest
+from cluster.engine.request import GenerationParams, SamplingParams
 from cluster.models.resolve import model_info, read_config, text_config
 
 SLACK = 2

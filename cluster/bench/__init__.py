@@ -7,6 +7,8 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "cluster.bench.ttft",
     "blocksize": "cluster.bench.blocksize",
     "disk": "cluster.bench.disk",
+    "lookup": "cluster.bench.lookup",
+    "routing": "cluster.bench.routing",
 }
 
 

@@ -19,10 +19,13 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Started:
-    """Prefill is done and the first token follows; `cached_tokens` were restored, not computed."""
+    """Prefill is done and the first token follows; `cached_tokens` were restored, not computed:
+    `fetched_tokens` of them from blocks pulled from the peer `fetched_from`, the rest from this node."""
 
     cached_tokens: int
     prompt_tokens: int
+    fetched_tokens: int = 0
+    fetched_from: Optional[str] = None
 
 
 @dataclass(frozen=True)

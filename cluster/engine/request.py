@@ -1,6 +1,7 @@
-"""The gateway -> replica call: token ids and how to generate from them.
+"""How to generate from a prompt: limits and sampling.
 
 Plain data, no MLX: the gateway builds these and must not need MLX to do so.
+(The request that carries them to a replica: actors/plan.py.)
 """
 
 from __future__ import annotations
@@ -38,12 +39,3 @@ class GenerationParams:
     # completion keeps it, so prompt + completion is exactly the decoded tokens.
     trim_leading_space: bool = False
     record_logits: bool = False  # keep each step's logits (tests compare them across runs)
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One request as a replica sees it. The gateway has already tokenized and validated it."""
-
-    request_id: str
-    prompt_tokens: tuple[int, ...]
-    params: GenerationParams

@@ -30,11 +30,14 @@ T = TypeVar("T")
 class Scheduler:
     """A thread that owns the model and steps sequences in turn."""
 
+    EMA = 0.2  # weight of the newest prefill sample in the throughput average
+
     def __init__(self, name: str = "mlx-fleet-model"):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, tuple[Sequence, Emit]] = {}
         self._stopping = False
         self.steps = 0
+        self.prefill_tps: float = 0.0  # moving average of measured prefill throughput (0: not measured yet)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -45,6 +48,11 @@ class Scheduler:
     @property
     def active(self) -> int:
         return len(self._active)
+
+    def load(self) -> dict:
+        """What is queued on this model thread: sequences and prompt tokens still to prefill."""
+        sequences = list(self._active.values())
+        return {"active": len(sequences), "queued_tokens": sum(seq.pending_prefill for seq, _ in sequences)}
 
     def submit(self, request_id: str, seq: Sequence, emit: Emit) -> None:
         self._inbox.put(("add", request_id, seq, emit))
@@ -101,6 +109,7 @@ class Scheduler:
     def _step(self, request_id: str, seq: Sequence, emit: Emit) -> None:
         try:
             events = seq.step()
+            self._measure(seq)
         except Exception as e:  # one bad request must not take the replica down
             log.exception("request %s failed", request_id)
             seq.close()
@@ -109,6 +118,15 @@ class Scheduler:
             emit(events)
         if seq.done:
             self._active.pop(request_id, None)
+
+    def _measure(self, seq: Sequence) -> None:
+        if seq.prefill_sample is None:
+            return
+        tokens, seconds = seq.prefill_sample
+        seq.prefill_sample = None
+        if tokens >= 16 and seconds > 0:  # a handful of tokens says more about overheads than throughput
+            tps = tokens / seconds
+            self.prefill_tps = tps if not self.prefill_tps else (1 - self.EMA) * self.prefill_tps + self.EMA * tps
 
     def _drain(self, block: bool) -> None:
         while True:

@@ -78,6 +78,7 @@ class Sequence:
         self.generated: list[int] = []
         self.logits: list[mx.array] = []
         self.cached_tokens = 0
+        self.prefill_sample: Optional[tuple[int, float]] = None  # (tokens, seconds) of the last prefill chunk
         self.done = False
         self._next: Optional[mx.array] = None
         self._t0 = time.perf_counter()
@@ -95,8 +96,10 @@ class Sequence:
         if len(self.fed) < last:
             end = self.session.next_stop(len(self.fed), last, self.prefill_step)
             chunk = self.prompt[len(self.fed): end]
+            t0 = time.perf_counter()
             self.model(mx.array(chunk)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
+            self.prefill_sample = (len(chunk), time.perf_counter() - t0)
             self.fed.extend(chunk)
             self.session.observe(self.cache, self.fed)
             return []
@@ -104,8 +107,15 @@ class Sequence:
             self._next = self._forward(self.prompt[-1])
             events = self._decode()
             self._t_first = time.perf_counter()
-            return [Started(cached_tokens=self.cached_tokens, prompt_tokens=len(self.prompt))] + events
+            fetched, peer = getattr(self.session, "fetched", (0, None))
+            return [Started(cached_tokens=self.cached_tokens, prompt_tokens=len(self.prompt),
+                            fetched_tokens=fetched, fetched_from=peer)] + events
         return self._decode()
+
+    @property
+    def pending_prefill(self) -> int:
+        """Prompt tokens not yet in the cache (all of them before the restore)."""
+        return len(self.prompt) - (len(self.fed) if self.cache is not None else 0)
 
     def _forward(self, token) -> mx.array:
         """Feed one token (int or lazy [1] array); return the lazily sampled next token."""

@@ -38,12 +38,12 @@ def find_redis_server() -> str:
 
 
 def redis_argv(binary: str, port: int, data_dir: Path, password: Optional[str] = None) -> list[str]:
-    """Loopback only, persistence in `data_dir` so the index survives a restart. The config file
-    (written by `start`) holds the password: on the command line `ps` would show it."""
+    """Loopback only, and no persistence: everything in it (leases, the fleet index) is rebuilt by the
+    nodes within seconds of a restart, and a snapshot would only bring back entries that are no longer
+    true. The config file (written by `start`) holds the password: on the command line `ps` would show it."""
     return [
         binary, str(data_dir / "redis.conf"), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-        "--daemonize", "no", "--protected-mode", "yes", "--save", "60 1",
-        "--appendonly", "no", "--dbfilename", "index.rdb", "--loglevel", "warning",
+        "--daemonize", "no", "--protected-mode", "yes", "--save", "", "--appendonly", "no", "--loglevel", "warning",
     ]
 
 

@@ -20,6 +20,17 @@ def render(status: dict) -> str:
                      f"requests={r.get('requests', 0):<6} prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
                      f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)}")
         lines.append("      " + _cache_line(r.get("cache", {})))
+    fleet = status.get("fleet") or {}
+    if fleet:
+        reuse = f"{fleet['reuse']:.0%}" if fleet.get("reuse") is not None else "-"
+        routes = ", ".join(f"{k} {v}" for k, v in sorted((fleet.get("routes") or {}).items())) or "-"
+        entries = sum(sum(per.values()) for per in (fleet.get("index_entries") or {}).values())
+        lines += ["", "fleet:",
+                  f"  reuse {reuse} of prompt tokens (fetched from peers: {fleet.get('fetched_tokens', 0)} tokens), "
+                  f"routes: {routes}",
+                  f"  migrated {fleet.get('migrated_blocks', 0)} blocks {fleet.get('migrated_bytes', 0) / 2**20:.1f} MiB"
+                  f" ({fleet.get('migration_failures', 0)} failed), index {entries} entries, lookup p50 "
+                  f"{fleet.get('lookup_ms_p50') or '-'} ms p99 {fleet.get('lookup_ms_p99') or '-'} ms"]
     lines += ["", "models:"]
     for m in status["models"]:
         where = ", ".join(m["nodes"]) if m["nodes"] else ("-" if m["nodes"] is not None else "(nodes unknown)")

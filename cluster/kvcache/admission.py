@@ -10,10 +10,17 @@ admission thread, and the model thread receives ready, verified blocks.
               -> decode and check every block against the model (shape, dtype, ...)
               -> a refused or unreadable block shrinks the plan; retry with what is left
 
+Migration: when the route plan says a peer holds more of the prefix than this
+node (and pulling beats recomputing), the missing blocks are pulled from the
+peer's node store first (peers.py), checked like any other block, and kept:
+into RAM, through to this node's disk, announced in the fleet index. A failed
+or late pull only shortens the prefix; the rest is recomputed.
+
 Bounds: each store call has its own timeout and goes through a circuit breaker
-(disk_client.py), and the whole stage has a deadline (`fetch_async`): past it
-the request is simply prefilled cold. A block refused here is discarded from
-every tier and counted by reason, like one refused on the model thread.
+(disk_client.py), a pull has its deadline, and the whole stage has one
+(`fetch_async`): past it the request is simply prefilled cold. A block refused
+here is discarded from every tier and counted by reason, like one refused on
+the model thread.
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Executor
-from typing import Optional
+from typing import Optional, Protocol
 
+from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.prefix_cache import Prefetch, PrefixCache
 from cluster.store.block_format import BlockError
 from cluster.store.contract import leading
@@ -33,18 +41,31 @@ log = logging.getLogger(__name__)
 ROUNDS = 4  # plan -> fetch attempts; each failed one strictly shrinks the plan
 
 
+class FetchPlan(Protocol):
+    """The part of a route plan (actors/plan.py) that says what to pull from which peer."""
+
+    peer: str
+    end_block: int
+    checkpoint: bool
+    nbytes: int
+
+
 class Admission:
-    def __init__(self, cache: PrefixCache, executor: Optional[Executor] = None, deadline_s: float = 15.0):
+    def __init__(self, cache: PrefixCache, executor: Optional[Executor] = None, deadline_s: float = 15.0,
+                 peers: Optional[PeerClient] = None, fetch_timeout_s: float = 10.0):
         self.cache = cache
         self.executor = executor
         self.deadline_s = deadline_s
+        self.peers = peers
+        self.fetch_timeout_s = fetch_timeout_s
         self.timeouts = 0
 
-    async def fetch_async(self, prompt: list[int]) -> Prefetch:
+    async def fetch_async(self, prompt: list[int], pull: Optional[FetchPlan] = None) -> Prefetch:
         """`fetch` on the admission executor, bounded by the stage deadline; any trouble means cold."""
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self.executor, self.fetch, prompt), self.deadline_s)
+            return await asyncio.wait_for(loop.run_in_executor(self.executor, self.fetch, prompt, pull),
+                                          self.deadline_s)
         except asyncio.TimeoutError:
             self.timeouts += 1
             log.warning("admission took longer than %.1fs; prefilling cold", self.deadline_s)
@@ -52,15 +73,20 @@ class Admission:
             log.exception("admission failed; prefilling cold")
         return Prefetch(ids=chain_ids(self.cache.namespace, prompt, self.cache.B))
 
-    def fetch(self, prompt: list[int]) -> Prefetch:
-        """Look up, read and decode the longest restorable prefix of `prompt` (blocking; not on the model thread)."""
+    def fetch(self, prompt: list[int], pull: Optional[FetchPlan] = None) -> Prefetch:
+        """Look up, (pull,) read and decode the longest restorable prefix of `prompt` (blocking; not on the
+        model thread). `pull`: the route plan's peer fetch, if any."""
         pc, planner = self.cache, self.cache.planner
         pc.counters.lookups += 1
         ids = chain_ids(pc.namespace, prompt, pc.B)
         want = ids[:planner.usable_blocks(len(prompt))]
         hit = self._leading(want)
-        checkpoints = self._checkpoints(ids, len(prompt), hit)
         blocks: dict = {}
+        own, pulled_from = hit, None
+        if pull is not None and self.peers is not None and pull.end_block > hit:
+            if self._pull(pull, ids, hit, blocks):
+                hit, pulled_from = self._leading(want), pull.peer
+        checkpoints = self._checkpoints(ids, len(prompt), hit)
         sources = {"ram": 0, "disk": 0}
         for _ in range(ROUNDS):
             n = planner.best(len(prompt), hit, checkpoints)
@@ -69,8 +95,10 @@ class Admission:
             reads = planner.reads(ids, n)
             bad = self._fetch([r for r in reads if r[2] not in blocks], ids, blocks, sources)
             if not bad:
+                fetched = max(0, n - own * pc.B) if pulled_from else 0
                 return Prefetch(ids=ids, n=n, blocks={k: blocks[k] for _, _, k in reads},
-                                from_ram=sources["ram"], from_disk=sources["disk"])
+                                from_ram=sources["ram"], from_disk=sources["disk"], fetched=fetched,
+                                fetched_from=pulled_from if fetched else None)
             for kind, j in bad:  # shrink: nothing at or after a bad block, no bad checkpoint
                 if kind == "kv":
                     hit = min(hit, j)
@@ -79,6 +107,33 @@ class Admission:
         return Prefetch(ids=ids)
 
     # -----------------------------------------------------------------------------------
+    def _pull(self, plan: FetchPlan, ids: list[bytes], have: int, blocks: dict) -> int:
+        """Pull blocks [have, plan.end_block) (and its checkpoint) from the peer; keep what verifies.
+
+        Returns how many arrived good. They go into RAM (and through to this node's disk, and so into
+        the index); the decoded ones into `blocks`, so they are not decoded twice."""
+        pc = self.cache
+        end = min(plan.end_block, len(ids))
+        reads = [("kv", j, ids[j]) for j in range(have, end)]
+        if plan.checkpoint and end:
+            reads.append(("state", end - 1, state_key(ids[end - 1])))
+        datas = self.peers.fetch(plan.peer, [k for _, _, k in reads], plan.nbytes // max(len(reads), 1),
+                                 self.fetch_timeout_s)
+        good = 0
+        for (kind, j, key), data in zip(reads, datas):
+            if data is None:
+                break
+            try:
+                blocks[key] = pc.decode(data, kind, j, ids)
+            except Exception as e:  # a peer's block that does not fit: refused like any other
+                reason = e.reason if isinstance(e, BlockError) else "unexpected"
+                log.warning("block %d pulled from %s refused (%s): %s", j, plan.peer, reason, e)
+                pc.counters.refused(reason)
+                break
+            pc.tiers.put(key, data)
+            good += 1
+        return good
+
     def _leading(self, keys: list[bytes]) -> int:
         """Leading blocks held by RAM, then continued by the disk."""
         tiers = self.cache.tiers

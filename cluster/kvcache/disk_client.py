@@ -33,7 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as ReadTimeout
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -69,6 +69,9 @@ class DiskClient:
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
+        # The fleet index follows this disk too: events as they are applied, and every resync.
+        self.on_events: Optional[Callable[[list], None]] = None
+        self.on_resync: Optional[Callable[[list], None]] = None
         self.counters = {"spilled": 0, "dropped_spills": 0, "spill_errors": 0, "read_errors": 0,
                          "disk_hits": 0, "disk_misses": 0, "lookup_errors": 0, "refused_by_breaker": 0,
                          "touches_sent": 0, "resyncs": 0, "events_applied": 0}
@@ -245,10 +248,12 @@ class DiskClient:
             while True:
                 batch = self.link.events_since(self._cursor or 0, self._epoch)
                 if batch.gap or self._cursor is None:
-                    keys = set(self.link.keys(self.ns))  # read after the batch: see events.py
+                    held = self.link.holdings(self.ns)  # read after the batch: see events.py
                     with self._cond:
-                        self.on_disk = keys
+                        self.on_disk = {key for key, _, _ in held}
                     self.counters["resyncs"] += 1
+                    if self.on_resync is not None:
+                        self.on_resync(held)
                 self._apply(batch.events)
                 self._cursor, self._epoch = batch.cursor, batch.epoch
                 if not batch.events:
@@ -256,13 +261,18 @@ class DiskClient:
         except Exception as e:
             log.debug("disk event sync failed: %s", e)
 
+    def holdings(self) -> list[tuple[bytes, str, bytes]]:
+        """(key, kind, block id) of everything the disk holds for this namespace (one store call)."""
+        return self.link.holdings(self.ns)
+
     def _apply(self, events: list) -> None:
+        mine = [e for e in events if e.namespace == self.ns]
         with self._cond:
-            for e in events:
-                if e.namespace != self.ns:
-                    continue
+            for e in mine:
                 if e.event == "stored":
                     self.on_disk.add(e.key)
                 else:
                     self.on_disk.discard(e.key)
                 self.counters["events_applied"] += 1
+        if mine and self.on_events is not None:
+            self.on_events(mine)

@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import Optional
 import mlx.core as mx
 import numpy as np
 
@@ -44,6 +45,8 @@ class Prefetch:
     blocks: dict = field(default_factory=dict)  # key -> decoded Block (numpy views), exactly planner.keys(ids, n)
     from_ram: int = 0
     from_disk: int = 0
+    fetched: int = 0  # of the n tokens, how many come from blocks pulled from a peer
+    fetched_from: Optional[str] = None
 
 
 @dataclass

@@ -26,6 +26,7 @@ class BlockSession:
         self.B = cache.B
         self.prompt = prompt
         self.prefetch = prefetch
+        self.fetched: tuple[int, Optional[str]] = (0, None)  # tokens restored from a peer's blocks, and the peer
         self.ids: list[bytes] = []
         self.done_blocks = 0  # blocks [0, done_blocks) are stored or known stored
         self.pending_state: Optional[tuple[int, list]] = None
@@ -33,6 +34,8 @@ class BlockSession:
 
     def restore(self) -> tuple[list, int]:
         caches, n, self.ids = self.pc.restore(self.prompt, self.prefetch)
+        if n == self.prefetch.n and self.prefetch.fetched:
+            self.fetched = (self.prefetch.fetched, self.prefetch.fetched_from)
         self.prefetch = None  # its blocks are in the caches now; let the bytes go
         self.done_blocks = n // self.B
         return caches, n

@@ -26,6 +26,7 @@ class StoreLink(Protocol):
     def quarantine(self, ns: bytes, key: bytes, reason: str, detail: str) -> None: ...
     def events_since(self, cursor: int, epoch: Optional[str]) -> EventBatch: ...
     def keys(self, ns: bytes) -> list[bytes]: ...
+    def holdings(self, ns: bytes) -> list[tuple[bytes, str, bytes]]: ...
 
 
 class LocalLink:
@@ -65,6 +66,9 @@ class LocalLink:
     def keys(self, ns):
         return self.store.keys(ns)
 
+    def holdings(self, ns):
+        return self.store.holdings(ns)
+
 
 class ActorLink:
     """The node's NodeStore actor."""
@@ -103,3 +107,6 @@ class ActorLink:
 
     def keys(self, ns):
         return self._call("keys", ns)
+
+    def holdings(self, ns):
+        return self._call("holdings", ns)

@@ -197,6 +197,12 @@ class DiskStore:
         """Every key held for `ns` (a consumer's resync after an event gap)."""
         return self.index.keys(ns)
 
+    def holdings(self, ns: bytes) -> list[tuple[bytes, str, bytes]]:
+        """(key, kind, block id) of every block held for `ns`: what a full announce publishes."""
+        with self.index.lock:
+            return [(e.key, e.kind, e.key if e.kind == "kv" else e.parent)
+                    for e in self.index.entries.values() if e.ns == ns]
+
     def touch(self, ns: bytes, keys: list[bytes]) -> int:
         """Count a use of blocks some replica served from its RAM: they stay hot on disk too.
 
@@ -270,7 +276,8 @@ class DiskStore:
         """Move a block with bad content out of the tier, as evidence; it is a miss from now on."""
         e = self.index.remove(key)
         reason = reason if reason in REASONS else "corrupt"
-        self.quarantine_bin.add(path or self.path(ns, key), ns, key, reason, detail, self.clock())
+        if not self.quarantine_bin.add(path or self.path(ns, key), ns, key, reason, detail, self.clock()):
+            return  # another reader of the same bad block got here first: it is counted once
         self.counters["quarantined"][reason] += 1
         log.warning("quarantined block %s (%s): %s", key.hex()[:16], reason, detail)
         if e is not None:
@@ -283,7 +290,7 @@ class DiskStore:
                 **{k: (dict(v) if isinstance(v, dict) else v) for k, v in self.counters.items()}}
 
     def _emit(self, event: str, e: Entry) -> None:
-        ev = BlockEvent(event, "disk", e.ns, e.key, e.parent, e.tokens, e.size)
+        ev = BlockEvent(event, "disk", e.ns, e.key, e.parent, e.tokens, e.size, e.kind)
         self.events.append(ev)
         if self.listener is not None:
             self.listener(ev)

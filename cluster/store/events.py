@@ -43,6 +43,12 @@ class BlockEvent:
     parent: bytes  # previous block's id; a checkpoint's own block id
     tokens: int
     nbytes: int
+    kind: str = "kv"  # "kv" | "state" (a recurrent checkpoint, stored under state_key(its block id))
+
+    @property
+    def block_id(self) -> bytes:
+        """The chain block this event is about (for a checkpoint: the block it was taken at the end of)."""
+        return self.key if self.kind == "kv" else self.parent
 
 
 @dataclass(frozen=True)

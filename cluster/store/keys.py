@@ -2,6 +2,8 @@
 
     mlxf:lease:<model>:<node id>   a replica's lease: msgpack {node_id, model, stats...}, expires
     mlxf:node:<node id>            a node store's disk-tier stats: msgpack, expires
+    mlxf:gateway:<gateway id>      a gateway replica's routing stats: msgpack, expires
+    mlxf:{<ns>}:...                the fleet prefix index, one hash tag per model namespace (fleet_index.py)
 
 Writers and readers (replicas, node stores, `status`, the gateway) build keys
 only through these functions, so the schema cannot drift between them.
@@ -27,3 +29,14 @@ def node_stats_key(node_id: str) -> str:
 
 def node_stats_pattern() -> str:
     return f"{NODE_PREFIX}*"
+
+
+GATEWAY_PREFIX = "mlxf:gateway:"
+
+
+def gateway_key(gateway_id: str) -> str:
+    return f"{GATEWAY_PREFIX}{gateway_id}"
+
+
+def gateway_pattern() -> str:
+    return f"{GATEWAY_PREFIX}*"

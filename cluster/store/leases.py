@@ -29,8 +29,8 @@ class LeaseWriter:
     """Keeps one replica's lease alive from a background thread."""
 
     def __init__(self, url: str, model: str, node_id: str, ttl_s: float,
-                 payload: Callable[[], dict]):
-        self._redis = connect(url)
+                 payload: Callable[[], dict], settings=None):
+        self._redis = connect(url, settings)
         self._key = lease_key(model, node_id)
         self._ttl_ms = int(ttl_s * 1000)
         self._payload = payload

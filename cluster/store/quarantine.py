@@ -52,8 +52,9 @@ class Quarantine:
     def __len__(self) -> int:
         return len(self._files)
 
-    def add(self, src: Path, ns: bytes, key: bytes, reason: str, detail: str, now: float) -> None:
-        """Move `src` (if it exists) under quarantine/<reason>/ and log why."""
+    def add(self, src: Path, ns: bytes, key: bytes, reason: str, detail: str, now: float) -> bool:
+        """Move `src` under quarantine/<reason>/ and log why; False if it was gone already (quarantined
+        by a concurrent reader of the same bad block, or evicted)."""
         dst_dir = self.root / reason
         dst_dir.mkdir(parents=True, exist_ok=True)
         dst = dst_dir / f"{ns.hex()[:16]}-{src.name}"
@@ -68,10 +69,11 @@ class Quarantine:
                 self._files[dst] = (now, size)
                 self.bytes += size
             except FileNotFoundError:
-                pass
+                return False
             self._log({"time": now, "key": key.hex(), "namespace": ns.hex(), "reason": reason,
                        "detail": detail, "file": str(dst)})
             self._trim()
+            return True
 
     def _trim(self) -> None:
         """Delete the oldest files until the quarantine fits its limit."""

@@ -98,6 +98,11 @@ class RamTier:
         with self._lock:
             return list(self._blocks)
 
+    def snapshot(self) -> list[tuple[bytes, bytes]]:
+        """Every (key, block), least recently used first, without counting as a use."""
+        with self._lock:
+            return list(self._blocks.items())
+
     def _emit(self, event: str, key: bytes, data) -> None:
         if self._listener is not None:
             self._listener(event, key, data)

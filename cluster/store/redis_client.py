@@ -12,8 +12,27 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 
-def connect(url: str, timeout_s: float = 2.0) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+def options(settings=None, timeout_s: Optional[float] = None) -> dict:
+    """redis-py keyword arguments from a RedisConfig (or defaults); TLS follows a rediss:// URL."""
+    out = {"socket_timeout": timeout_s or (settings.socket_timeout_s if settings else 2.0),
+           "socket_connect_timeout": settings.connect_timeout_s if settings else 2.0}
+    if settings is not None and settings.password:
+        out["password"] = settings.password
+    if settings is not None and settings.tls_ca_file:
+        out["ssl_ca_certs"] = settings.tls_ca_file
+    return out
+
+
+def connect(url: str, settings=None, timeout_s: Optional[float] = None) -> redis.Redis:
+    """A synchronous client (background threads: leases, index updates, status)."""
+    return redis.Redis.from_url(url, **options(settings, timeout_s))
+
+
+def aconnect(url: str, settings=None, timeout_s: Optional[float] = None):
+    """An asyncio client (the gateway: never blocks its event loop)."""
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(url, **options(settings, timeout_s))
 
 
 def redact(text: Optional[str]) -> Optional[str]:

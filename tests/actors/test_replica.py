@@ -10,7 +10,8 @@ import pytest
 from cluster.actors.replica import ModelReplica
 from cluster.config import AppConfig, CacheConfig, ModelSpec
 from cluster.engine.events import Accepted, Delta, Finished, Started
-from cluster.engine.request import GenerateRequest, GenerationParams
+from cluster.actors.plan import GenerateRequest
+from cluster.engine.request import GenerationParams
 from cluster.kvcache.store_link import LocalLink
 from cluster.store.disk_tier import DiskStore
 

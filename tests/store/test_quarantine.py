@@ -104,9 +104,24 @@ def test_quarantined_bytes_count_against_the_disk_budget(tmp_path):
     assert len(s.index) == 38
 
 
+def test_a_block_already_quarantined_by_another_reader_is_counted_once(tmp_path):
+    s = DiskStore(tmp_path / "node", budget=1 << 30)
+    blocks = chain(1)
+    s.write_many(blocks)
+    corrupt(s.path(*blocks[0][:2]))
+    located = [s.open_read(NS, [blocks[0][1]]) for _ in range(2)]  # two readers pin it before either reads
+    assert all(loc[0] for loc in located)
+    for _ in range(2):
+        s.close_read(NS, [blocks[0][1]], [], [__import__("cluster.store.block_files", fromlist=["x"]).read_verified(
+            located[0][0], NS, blocks[0][1])[1]])
+    assert s.stats()["quarantined"]["payload"] == 1 and len(quarantined_files(tmp_path / "node")) == 1
+
+
 def test_the_log_rotates(tmp_path, monkeypatch):
     monkeypatch.setattr(quarantine_mod, "LOG_BYTES", 200)
     q = quarantine_mod.Quarantine(tmp_path / "q", limit=1 << 20)
     for i in range(5):
-        q.add(tmp_path / "missing.blk", NS, bytes([i]) * 32, "payload", "x" * 50, now=float(i))
+        src = tmp_path / f"{i}.blk"
+        src.write_bytes(b"bad")
+        q.add(src, NS, bytes([i]) * 32, "payload", "x" * 50, now=float(i))
     assert (tmp_path / "q" / "log.jsonl.1").exists() and (tmp_path / "q" / "log.jsonl").stat().st_size < 400

@@ -1,0 +1,57 @@
+"""What the gateway sends a replica: the request, and the route plan it was sent on.
+
+Small frozen objects (they cross the Ray boundary). The plan travels with the
+request so that the ModelReplica deployment's request router (router.py) can
+honour it, and the replica can act on it: pull the blocks the plan says a peer
+holds, before prefilling.
+
+`x-fleet-route` is written from the plan and what the replica reports:
+
+    <policy> reason=<hit|load|miss|fallback|policy> local=<tokens> fetched=<tokens> [from=<peer node id>]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from cluster.engine.request import GenerationParams
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """Pull blocks [start_block, end_block) (and the checkpoint at end_block, for hybrids) from `peer`."""
+
+    peer: str  # the peer's node id
+    start_block: int
+    end_block: int
+    checkpoint: bool
+    tokens: int  # restorable tokens once they are here
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    policy: str  # "affinity" | "pow2" | "round_robin"
+    reason: str  # "hit" | "load" | "miss" | "fallback" | "policy"
+    node_id: Optional[str] = None  # the chosen node (None: let the router pick)
+    ranked: tuple[str, ...] = ()  # Ray node ids, most preferred first
+    tokens: int = 0  # tokens the chosen node is expected to restore (locally or fetched)
+    fetch: Optional[FetchPlan] = None
+    predicted_ttft_s: float = 0.0
+
+    def header(self, served_by: str, local: int, fetched: int, fetched_from: Optional[str]) -> str:
+        """The x-fleet-route value: a replica other than the planned one means the router moved it (load)."""
+        reason = "load" if self.node_id and served_by != self.node_id and self.reason == "hit" else self.reason
+        out = f"{self.policy} reason={reason} local={local} fetched={fetched}"
+        return out + (f" from={fetched_from}" if fetched and fetched_from else "")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request as a replica sees it. The gateway has already tokenized and validated it."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    params: GenerationParams
+    route: Optional[RoutePlan] = None

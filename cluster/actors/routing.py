@@ -1,0 +1,189 @@
+"""Cache-affinity routing: send each request to the replica predicted to answer first.
+
+For every node with a replica of the model, from one index lookup:
+
+    predicted TTFT = (uncached tokens / its prefill tokens/s) x (1 + its load)
+                   + (bytes to pull from a peer / that link's bytes/s)         if pulling pays
+
+where the prefix it can restore is what it holds itself (RAM or disk), or
+what the best live peer holds on disk and it would pull first. Load counts
+sequences on the replica (its lease, at most a couple of seconds old) and this
+gateway's own requests in flight to it (exact, immediate). The interleaving
+scheduler shares the model thread between sequences, hence the (1 + load).
+
+Bounded load, so affinity degrades smoothly instead of switching off: with
+total load T over N nodes, a node takes a request only while its load + 1 is
+at most ceil(`load_factor` x (T + 1) / N). Among those nodes the fastest predicted
+answer wins, so a hot system prompt fills its holder up to the bound and then
+spreads - with the others pulling the prefix from it rather than recomputing.
+
+Reasons (x-fleet-route): `hit` (the fastest node overall, holding a prefix),
+`load` (the fastest was over the bound, or the router moved the request),
+`miss` (nobody holds anything: least loaded), `fallback` (no index: power of
+two choices), `policy` (pow2 / round_robin configured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Optional
+
+from cluster.actors.fleet_view import FleetView, ReplicaInfo
+from cluster.actors.plan import FetchPlan, RoutePlan
+from cluster.config import RoutingConfig
+from cluster.store.fleet_index import FleetIndex, Holding
+from cluster.store.hashing import chain_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way a node could serve the request."""
+
+    node: ReplicaInfo
+    tokens: int  # restorable
+    ttft_s: float
+    load: int
+    fetch: Optional[FetchPlan] = None
+
+
+def restorable(info: ReplicaInfo, prompt_len: int, blocks: int, checkpoint: int) -> int:
+    """Tokens a node can restore holding `blocks` leading blocks and a checkpoint at block `checkpoint`."""
+    B = info.block_tokens
+    if info.recurrent:
+        return checkpoint * B
+    n = min(blocks * B, prompt_len - 1)
+    return n - n % B if info.boundary_only else max(n, 0)
+
+
+def prefill_speeds(nodes: list[ReplicaInfo], held: dict[str, Holding], default: float) -> dict[str, float]:
+    """Each node's prefill tokens/s for the cost model.
+
+    Measured speeds are noisy (they share machines, chunk sizes vary), and a
+    few percent must not move a conversation away from the node that holds it.
+    So speeds within 25% of the model's mean count as the mean; only a node
+    really faster or slower (a Studio beside a mini) keeps its own. A node that
+    has not measured yet counts as the mean too."""
+    measured = {n.node_id: held[n.node_id].lease.get("prefill_tps") for n in nodes
+                if n.node_id in held and held[n.node_id].lease.get("prefill_tps")}
+    mean = sum(measured.values()) / len(measured) if measured else default
+    return {n.node_id: measured[n.node_id] if n.node_id in measured and abs(measured[n.node_id] - mean) > 0.25 * mean
+            else mean for n in nodes}
+
+
+def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding], loads: dict[str, int],
+            cfg: RoutingConfig) -> list[Option]:
+    """Every candidate node's best way to answer, with its predicted TTFT."""
+    out = []
+    ns_of = {n.node_id: n.namespace for n in nodes}
+    speeds = prefill_speeds(nodes, held, cfg.default_prefill_tps)
+    for node in nodes:
+        h = held.get(node.node_id)
+        lease = h.lease if h else {}
+        tps = speeds[node.node_id]
+        load = loads.get(node.node_id, 0)
+        local = restorable(node, prompt_len, h.hit, h.ck) if h else 0
+        best = Option(node, local, (prompt_len - local) / tps * (1 + load), load)
+        for peer_id, p in held.items():
+            if peer_id == node.node_id or ns_of.get(peer_id) != node.namespace:
+                continue  # itself, or a node whose blocks are another fingerprint's (e.g. another GPU)
+            peer_tokens = restorable(node, prompt_len, p.disk, p.ck_disk)
+            if peer_tokens <= local:
+                continue
+            start, end = local // node.block_tokens, -(-peer_tokens // node.block_tokens)
+            nbytes = (end - start) * int(p.lease.get("block_bytes") or 0) + (
+                int(p.lease.get("state_bytes") or 0) if node.recurrent else 0)
+            link = (lease.get("link_bps") or {}).get(peer_id) or cfg.default_link_bytes_per_s
+            ttft = (prompt_len - peer_tokens) / tps * (1 + load) + nbytes / link
+            if ttft < best.ttft_s:
+                best = Option(node, peer_tokens, ttft, load,
+                              FetchPlan(peer_id, start, end, node.recurrent, peer_tokens, nbytes))
+        out.append(best)
+    return out
+
+
+def choose(opts: list[Option], load_factor: float, policy: str = "affinity") -> RoutePlan:
+    """Bounded load, then the fastest predicted answer; ranked fallbacks for the router."""
+    total = sum(o.load for o in opts)
+    cap = math.ceil(load_factor * (total + 1) / len(opts))
+    eligible = [o for o in opts if o.load + 1 <= cap] or opts
+    ties = {id(o): random.random() for o in opts}  # equal predictions: spread, not always the first node
+    key = (lambda o: (round(o.ttft_s, 6), o.load, ties[id(o)]))
+    fastest = min(opts, key=key)
+    chosen = min(eligible, key=key)
+    if not any(o.tokens for o in opts):
+        reason = "miss"
+    else:
+        reason = "hit" if chosen is fastest else "load"
+    ranked = [chosen] + sorted((o for o in eligible if o is not chosen), key=key) + \
+        sorted((o for o in opts if o not in eligible), key=key)
+    return RoutePlan(policy=policy, reason=reason, node_id=chosen.node.node_id,
+                     ranked=tuple(o.node.ray_node_id for o in ranked), tokens=chosen.tokens, fetch=chosen.fetch,
+                     predicted_ttft_s=chosen.ttft_s)
+
+
+class Affinity:
+    """The gateway's router: one index lookup per request (per namespace), then `choose`."""
+
+    def __init__(self, index: Optional[FleetIndex], view: FleetView, cfg: RoutingConfig):
+        self.index = index
+        self.view = view
+        self.cfg = cfg
+        self.inflight: Counter = Counter()  # node id -> this gateway's requests running there
+        self.reasons: Counter = Counter()
+        self.lookup_s: deque = deque(maxlen=2000)
+
+    def track(self, node_id: str, delta: int) -> None:
+        self.inflight[node_id] += delta
+        if self.inflight[node_id] <= 0:
+            del self.inflight[node_id]
+
+    async def plan(self, model: str, prompt: list[int]) -> RoutePlan:
+        if self.cfg.policy != "affinity":
+            return self._count(RoutePlan(policy=self.cfg.policy, reason="policy"))
+        await self.view.ensure(self.cfg.lookup_timeout_s)
+        nodes = [r for r in self.view.of(model) if r.healthy and r.namespace is not None]
+        if self.index is None or not self.view.ok or not nodes:
+            return self._count(RoutePlan(policy="affinity", reason="fallback"))
+        try:
+            held = await asyncio.wait_for(self._lookup(nodes, prompt), self.cfg.lookup_timeout_s)
+        except Exception as e:  # Redis slow or away: keep serving, by power of two choices
+            log.debug("index lookup failed (%s); falling back", type(e).__name__)
+            return self._count(RoutePlan(policy="affinity", reason="fallback"))
+        loads = {r.node_id: max(int((held.get(r.node_id).lease if held.get(r.node_id) else {}).get("active", 0)),
+                                self.inflight[r.node_id]) for r in nodes}
+        plan = choose(options(len(prompt), nodes, held, loads, self.cfg), self.cfg.load_factor)
+        return self._count(plan)
+
+    async def _lookup(self, nodes: list[ReplicaInfo], prompt: list[int]) -> dict[str, Holding]:
+        """Holdings of every live node, one round trip per namespace (normally one)."""
+        t0 = time.perf_counter()
+        by_ns: dict[bytes, ReplicaInfo] = {r.namespace: r for r in nodes}
+        calls = []
+        for ns, r in by_ns.items():
+            ids = chain_ids(ns, prompt, r.block_tokens)[: -(-(len(prompt) - 1) // r.block_tokens)]
+            calls.append(self.index.alookup(ns, ids, (len(prompt) - 1) // r.block_tokens if r.recurrent else 0))
+        results = await asyncio.gather(*calls)
+        self.lookup_s.append(time.perf_counter() - t0)
+        wanted = {(r.namespace, r.node_id) for r in nodes}
+        return {h.node_id: h for ns, holdings in zip(by_ns, results) for h in holdings if (ns, h.node_id) in wanted}
+
+    def _count(self, plan: RoutePlan) -> RoutePlan:
+        self.reasons[plan.reason] += 1
+        return plan
+
+    def stats(self) -> dict:
+        samples = sorted(self.lookup_s)
+
+        def q(p):
+            return round(samples[min(len(samples) - 1, int(p * len(samples)))] * 1000, 3) if samples else None
+
+        return {"policy": self.cfg.policy, "reasons": dict(self.reasons), "inflight": dict(self.inflight),
+                "lookups": len(samples), "lookup_ms_p50": q(0.5), "lookup_ms_p99": q(0.99)}

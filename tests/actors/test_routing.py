@@ -1,0 +1,114 @@
+"""The gateway's cost model and bounded load, on plain data."""
+
+import random
+
+import pytest
+
+from cluster.actors.fleet_view import ReplicaInfo
+from cluster.actors.plan import RoutePlan
+from cluster.actors.routing import choose, options, restorable
+from cluster.config import RoutingConfig
+from cluster.store.fleet_index import Holding
+
+NS = b"n" * 32
+CFG = RoutingConfig(default_prefill_tps=1000.0, default_link_bytes_per_s=100e6)
+
+
+def node(i, **kw) -> ReplicaInfo:
+    return ReplicaInfo(model="m", node_id=f"n{i}", node_name=f"n{i}", ray_node_id=f"ray{i}", healthy=True,
+                       namespace=kw.pop("ns", NS), block_tokens=64, **kw)
+
+
+def holding(i, hit=0, disk=0, ck=0, ck_disk=0, **lease) -> Holding:
+    return Holding(f"n{i}", hit, hit, disk, ck, ck_disk, {"block_bytes": 262_144, **lease})
+
+
+def plan_for(prompt_len, nodes, held, loads=None, factor=1.25) -> RoutePlan:
+    random.seed(0)
+    return choose(options(prompt_len, nodes, {h.node_id: h for h in held}, loads or {}, CFG), factor)
+
+
+def test_the_holder_of_the_longest_prefix_wins_when_idle():
+    plan = plan_for(2048, [node(0), node(1), node(2)], [holding(0, hit=8), holding(1, hit=30)])
+    assert (plan.node_id, plan.reason, plan.tokens, plan.fetch) == ("n1", "hit", 1920, None)
+    assert plan.ranked[0] == "ray1"
+
+
+def test_a_busy_holder_is_predicted_slower_than_a_peer_that_pulls_from_it():
+    nodes = [node(0), node(1), node(2)]
+    plan = plan_for(2048, nodes, [holding(1, hit=30, disk=30)], loads={"n1": 6})
+    assert plan.node_id != "n1" and plan.reason == "hit"  # the fastest answer overall, with the prefix pulled
+    assert plan.fetch is not None and (plan.fetch.peer, plan.fetch.start_block, plan.fetch.end_block) == ("n1", 0, 30)
+    assert plan.tokens == 1920 and plan.fetch.nbytes == 30 * 262_144
+
+
+def test_the_fastest_node_over_the_load_bound_is_skipped_with_reason_load():
+    nodes = [node(0), node(1), node(2)]
+    held = [holding(1, hit=30, disk=30, block_bytes=1 << 30)]  # pulling would take minutes
+    plan = plan_for(2048, nodes, held, loads={"n1": 3})  # fastest, but 3 + 1 > ceil(1.25 x 4 / 3)
+    assert plan.node_id != "n1" and plan.reason == "load" and plan.fetch is None
+    assert plan.ranked[-1] == "ray1"  # still offered to the router, last
+
+
+def test_pulling_is_chosen_only_when_it_beats_recomputing():
+    slow_link = [holding(1, hit=30, disk=30)]
+    nodes = [node(0), node(1)]
+    fast = options(2048, nodes, {"n1": slow_link[0]}, {"n1": 5}, CFG)
+    assert fast[0].fetch is not None  # 7.5 MiB at 100 MB/s beats 1920 tokens at 1000/s
+    slow = options(2048, nodes, {"n1": holding(1, hit=30, disk=30, block_bytes=10 << 30)}, {"n1": 5}, CFG)
+    assert slow[0].fetch is None  # 300 GiB would not
+
+
+def test_only_what_a_peer_has_on_disk_can_be_pulled_and_only_within_a_namespace():
+    nodes = [node(0), node(1), node(2, ns=b"o" * 32)]
+    opts = {o.node.node_id: o for o in options(2048, nodes, {"n1": holding(1, hit=30, disk=10)}, {}, CFG)}
+    assert opts["n0"].fetch.end_block == 10  # the RAM-only part of n1's prefix cannot be sent
+    assert opts["n2"].fetch is None  # another fingerprint's blocks are no use to n2
+
+
+def test_nobody_holding_anything_is_a_miss_that_goes_to_the_least_loaded():
+    plan = plan_for(500, [node(0), node(1), node(2)], [], loads={"n0": 2, "n1": 0, "n2": 1})
+    assert (plan.node_id, plan.reason) == ("n1", "miss")
+
+
+def test_bounded_load_spreads_a_hot_prefix():
+    nodes = [node(i) for i in range(3)]
+    loads = {"n0": 0, "n1": 0, "n2": 0}
+    held = {"n0": holding(0, hit=30, disk=30)}
+    for _ in range(30):  # a burst on one hot system prompt
+        plan = choose(options(2048, nodes, held, loads, CFG), 1.25)
+        loads[plan.node_id] += 1
+    assert max(loads.values()) / (sum(loads.values()) / 3) <= 1.25
+    assert loads["n0"] == max(loads.values())  # affinity is never switched off: the holder fills first
+
+
+@pytest.mark.parametrize("recurrent,boundary,blocks,ck,expected", [
+    (False, False, 10, 0, 640), (False, False, 40, 0, 1999), (False, True, 40, 0, 1984),
+    (True, False, 10, 7, 448), (True, False, 10, 0, 0)])
+def test_restorable_follows_each_layout(recurrent, boundary, blocks, ck, expected):
+    info = node(0, recurrent=recurrent, boundary_only=boundary)
+    assert restorable(info, 2000, blocks, ck) == expected
+
+
+def test_the_route_header_says_what_happened():
+    plan = RoutePlan(policy="affinity", reason="hit", node_id="n1")
+    assert plan.header("n1", 3072, 1024, "n2") == "affinity reason=hit local=3072 fetched=1024 from=n2"
+    assert plan.header("n0", 0, 0, None) == "affinity reason=load local=0 fetched=0"  # the router moved it
+    assert RoutePlan(policy="pow2", reason="policy").header("n0", 64, 0, None) == "pow2 reason=policy local=64 fetched=0"
+
+
+def test_a_few_percent_of_measured_speed_never_moves_a_prefix_away_from_its_holder():
+    nodes = [node(0), node(1)]
+    held = {"n0": holding(0, hit=10, disk=10, prefill_tps=900.0), "n1": holding(1, prefill_tps=1100.0)}
+    plan = choose(options(700, nodes, held, {}, CFG), 1.25)
+    assert (plan.node_id, plan.fetch) == ("n0", None)
+    held["n2"] = holding(2)  # a node that has not measured yet counts as the mean, not as the optimistic default
+    plan = choose(options(700, nodes + [node(2)], held, {}, CFG), 1.25)
+    assert plan.node_id == "n0"
+
+
+def test_a_really_faster_node_keeps_its_speed():
+    nodes = [node(0), node(1)]
+    held = {"n0": holding(0, hit=3, disk=3, prefill_tps=500.0), "n1": holding(1, prefill_tps=5000.0)}
+    plan = choose(options(4000, nodes, held, {}, CFG), 1.25)
+    assert plan.node_id == "n1"  # 5000 tokens/s is not noise

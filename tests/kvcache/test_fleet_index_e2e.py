@@ -1,0 +1,152 @@
+"""Two nodes' caches, one real Redis: what the index says matches what each node can restore, it follows the
+tiers' events, survives an empty Redis, and a node pulls a peer's blocks instead of recomputing them."""
+
+import time
+
+import pytest
+import redis
+
+from cluster.actors.fleet_view import ReplicaInfo
+from cluster.actors.plan import FetchPlan
+from cluster.actors.routing import restorable
+from cluster.kvcache.admission import Admission
+from cluster.kvcache.index_publisher import IndexPublisher
+from cluster.kvcache.peers import PeerClient
+from cluster.kvcache.session import BlockSession
+from cluster.store.fleet_index import FleetIndex
+from cluster.store.hashing import chain_ids
+from tests.kvcache.conftest import prompt_of
+
+B = 32
+
+
+class Node:
+    """A harness (real model, RAM and disk tiers) that publishes into the fleet index like a replica."""
+
+    def __init__(self, harness, node_id, url):
+        self.h = harness
+        self.id = node_id
+        self.index = FleetIndex(redis.Redis.from_url(url))
+        tiers = harness.pc.tiers
+        self.pub = IndexPublisher(self.index, harness.pc.namespace, node_id, tiers, lambda: {"active": 0},
+                                  ttl_s=3.0, flush_s=0.05, gc_s=0.5)
+        tiers.listener = self.pub.on_event
+        tiers.disk.on_events = self.pub.on_events
+        tiers.disk.on_resync = self.pub.on_disk_resync
+
+    def settle(self):
+        assert self.h.pc.tiers.disk.flush(30)
+        self.h.pc.tiers.disk.sync_events()
+        assert self.pub.flush(10)
+
+    def info(self) -> ReplicaInfo:
+        pc = self.h.pc
+        return ReplicaInfo("m", self.id, self.id, "", True, pc.namespace, B, pc.layout.has_recurrent,
+                           pc.planner.boundary_only)
+
+    def holding(self, prompt):
+        ids = chain_ids(self.h.pc.namespace, prompt, B)[: -(-(len(prompt) - 1) // B)]
+        max_ck = (len(prompt) - 1) // B if self.h.pc.layout.has_recurrent else 0
+        return {x.node_id: x for x in self.index.lookup(self.h.pc.namespace, ids, max_ck)}
+
+
+@pytest.fixture
+def node(disk_harness, redis_url, tmp_path):
+    made = []
+
+    def make(name, node_id="A", **kw):
+        n = Node(disk_harness(name, node_dir=tmp_path / node_id, block_tokens=B, **kw), node_id, redis_url)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.pub.close()
+        n.h.pc.tiers.disk.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-swa", "tiny-hybrid"])
+def test_the_index_predicts_exactly_what_the_node_restores(node, name):
+    a = node(name)
+    prompt = prompt_of(300)
+    a.h.warm(prompt, max_tokens=2)
+    a.settle()
+    for probe in (prompt, prompt[:200], prompt[:97], prompt_of(300, salt=5)):
+        h = a.holding(probe).get("A")
+        predicted = restorable(a.info(), len(probe), h.hit, h.ck) if h else 0
+        assert predicted == Admission(a.h.pc).fetch(list(probe)).n, (name, len(probe))
+    h = a.holding(prompt)["A"]
+    assert h.hit == h.ram == h.disk == len(prompt) // B  # every block in both tiers
+    if a.h.pc.layout.has_recurrent:
+        assert 0 < h.ck <= h.hit and h.ck_disk == h.ck  # hybrids resume only at a checkpoint
+
+
+def test_evictions_leave_the_index_and_a_wiped_redis_is_refilled_within_seconds(node):
+    a = node("tiny-dense", ram_bytes=600_000)  # about 4 blocks of RAM
+    prompt = prompt_of(320)
+    a.h.warm(prompt, max_tokens=1)
+    a.settle()
+    h = a.holding(prompt)["A"]
+    assert h.disk == 10 and h.ram == 0 and h.hit == 10  # the first blocks left RAM; all are on disk
+    a.index.client.flushall()  # Redis restarted empty
+    deadline = time.monotonic() + 10
+    while "A" not in a.holding(prompt) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert a.holding(prompt)["A"].hit == 10 and a.pub.counters["announces"] >= 2
+
+
+def test_a_dead_node_drops_out_at_once_and_is_collected(node, redis_url):
+    a, b = node("tiny-dense", "A"), node("tiny-dense", "B")
+    prompt = prompt_of(100)
+    a.h.warm(prompt, max_tokens=1)
+    b.h.warm(prompt, max_tokens=1)
+    a.settle()
+    b.settle()
+    assert set(a.holding(prompt)) == {"A", "B"}
+    b.pub.close()  # withdraws its lease
+    assert set(a.holding(prompt)) == {"A"}
+    deadline = time.monotonic() + 10
+    while "B" in a.index.nodes(a.h.pc.namespace) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert a.index.nodes(a.h.pc.namespace) == ["A"]
+    assert not a.index.client.keys(f"*kv:B:*".encode())
+
+
+def pull(b, prompt, peer_node, holding) -> tuple:
+    plan = FetchPlan(peer_node.id, 0, holding.disk, b.h.pc.layout.has_recurrent, 0,
+                     holding.disk * int(b.h.pc.shapes.kv_bytes_per_token * B))
+    peers = PeerClient(b.h.pc.namespace, local_stores={peer_node.id: peer_node.h.store})
+    prefetch = Admission(b.h.pc, peers=peers).fetch(list(prompt), plan)
+    return prefetch, peers
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
+def test_a_node_pulls_a_peers_prefix_and_answers_exactly(node, name):
+    a, b = node(name, "A"), node(name, "B")
+    prompt = prompt_of(260)
+    a.h.warm(prompt, max_tokens=2)
+    a.settle()
+    prefetch, peers = pull(b, prompt, a, a.holding(prompt)["A"])
+    assert prefetch.n > 0 and prefetch.fetched == prefetch.n and prefetch.fetched_from == "A"
+    assert peers.counters["blocks"] > 0 and peers.link_bps["A"] > 0
+    warm = b.h.run_with(prompt, BlockSession(b.h.pc, list(prompt), prefetch))
+    b.h.assert_same(warm, b.h.cold(prompt))
+    b.settle()  # B keeps the pulled blocks and announces them
+    assert b.holding(prompt)["B"].hit >= prefetch.n // B
+
+
+def test_a_corrupt_block_on_the_peer_is_caught_and_the_answer_is_still_exact(node):
+    a, b = node("tiny-dense", "A"), node("tiny-dense", "B")
+    prompt = prompt_of(260)
+    a.h.warm(prompt, max_tokens=2)
+    a.settle()
+    ids = chain_ids(a.h.pc.namespace, prompt, B)
+    path = a.h.store.path(a.h.pc.namespace, ids[4])
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 8
+    path.write_bytes(bytes(data))
+    prefetch, _ = pull(b, prompt, a, a.holding(prompt)["A"])
+    assert prefetch.n == 4 * B and prefetch.fetched == 4 * B  # the blocks before the bad one
+    assert a.h.store.stats()["quarantined"]["payload"] == 1  # the peer refused to send it
+    warm = b.h.run_with(prompt, BlockSession(b.h.pc, list(prompt), prefetch))
+    b.h.assert_same(warm, b.h.cold(prompt))
