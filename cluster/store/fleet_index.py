@@ -46,30 +46,45 @@ CHUNK = 2000  # members per SADD/SREM command
 
 LOOKUP = """
 local prefix, max_ck = ARGV[1], tonumber(ARGV[2])
-local n = #ARGV - 2
+local ids = {}
+for i = 3, #ARGV do ids[i - 2] = ARGV[i] end
+local n = #ids
 local out = {}
 for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local lease = redis.call('GET', prefix .. 'live:' .. node)
   if lease then
-    local kr, kd = prefix .. 'kv:' .. node .. ':ram', prefix .. 'kv:' .. node .. ':disk'
-    local hit, ram, disk, ram_run, disk_run = 0, 0, 0, true, true
-    for i = 1, n do
-      local id = ARGV[i + 2]
-      local r, d = redis.call('SISMEMBER', kr, id), redis.call('SISMEMBER', kd, id)
-      if r == 0 and d == 0 then break end
-      hit = i
-      if ram_run and r == 1 then ram = i else ram_run = false end
-      if disk_run and d == 1 then disk = i else disk_run = false end
-    end
-    local ck, ck_disk = 0, 0
-    if max_ck > 0 then
-      local cr, cd = prefix .. 'ck:' .. node .. ':ram', prefix .. 'ck:' .. node .. ':disk'
-      for j = math.min(hit, max_ck), 1, -1 do
-        local id = ARGV[j + 2]
-        local on_disk = redis.call('SISMEMBER', cd, id) == 1
-        if ck == 0 and (on_disk or redis.call('SISMEMBER', cr, id) == 1) then ck = j end
-        if ck_disk == 0 and j <= disk and on_disk then ck_disk = j end
-        if ck > 0 and (ck_disk > 0 or j <= 1) then break end
+    local hit, ram, disk, ck, ck_disk = 0, 0, 0, 0, 0
+    if n > 0 then
+      -- SMISMEMBER in chunks that double (8, 16, 32, ...) until a miss: a node that holds nothing
+      -- costs two small calls, one that holds h blocks about 2 log(h) calls over ~2h ids.
+      local kr, kd = prefix .. 'kv:' .. node .. ':ram', prefix .. 'kv:' .. node .. ':disk'
+      local r, d = {}, {}
+      local ram_run, disk_run, first, size, open = true, true, 1, 8, true
+      while open and first <= n do
+        local last = math.min(n, first + size - 1)
+        local rr = redis.call('SMISMEMBER', kr, unpack(ids, first, last))
+        local dd = redis.call('SMISMEMBER', kd, unpack(ids, first, last))
+        for k = 1, last - first + 1 do
+          local i = first + k - 1
+          r[i], d[i] = rr[k], dd[k]
+          if rr[k] == 0 and dd[k] == 0 then open = false break end
+          hit = i
+          if ram_run and rr[k] == 1 then ram = i else ram_run = false end
+          if disk_run and dd[k] == 1 then disk = i else disk_run = false end
+        end
+        first, size = last + 1, size * 2
+      end
+      local top = math.min(hit, max_ck)
+      if top > 0 then
+        local cand = {}
+        for j = 1, top do cand[j] = ids[j] end
+        local cr = redis.call('SMISMEMBER', prefix .. 'ck:' .. node .. ':ram', unpack(cand))
+        local cd = redis.call('SMISMEMBER', prefix .. 'ck:' .. node .. ':disk', unpack(cand))
+        for j = top, 1, -1 do
+          if ck == 0 and (cr[j] == 1 or cd[j] == 1) then ck = j end
+          if ck_disk == 0 and j <= disk and cd[j] == 1 then ck_disk = j end
+          if ck > 0 and ck_disk > 0 then break end
+        end
       end
     end
     table.insert(out, {node, hit, ram, disk, ck, ck_disk, lease})

@@ -16,6 +16,8 @@ state_key(id_i), so it is found from the same chain.
 
 from __future__ import annotations
 
+import array
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -27,7 +29,14 @@ ID_BYTES = 32
 
 
 def _u32le(tokens) -> bytes:
-    return np.asarray(tokens, dtype="<u4").tobytes()
+    if isinstance(tokens, np.ndarray):
+        return np.asarray(tokens, dtype="<u4").tobytes()
+    packed = array.array("I", tokens)  # a C loop over a list: the gateway hashes every prompt
+    if packed.itemsize != 4:
+        return np.asarray(tokens, dtype="<u4").tobytes()
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def block_id(namespace: bytes, parent: bytes, tokens) -> bytes:
@@ -43,14 +52,16 @@ def block_id(namespace: bytes, parent: bytes, tokens) -> bytes:
 def chain_ids(namespace: bytes, tokens: Sequence[int], block_tokens: int, parent: bytes | None = None,
               start_block: int = 0) -> list[bytes]:
     """Ids of every full block of `tokens`, starting at block `start_block` whose parent is `parent`."""
-    raw = _u32le(tokens)
+    raw = memoryview(_u32le(tokens))
     width = 4 * block_tokens
+    seeded = blake3(_TAG)  # H's constant prefix, hashed once and copied per block
+    seeded.update(namespace)
+    length = width.to_bytes(4, "little")
     ids, prev = [], parent or namespace
     for i in range(start_block, len(tokens) // block_tokens):
-        h = blake3(_TAG)
-        h.update(namespace)
+        h = seeded.copy()
         h.update(prev)
-        h.update(width.to_bytes(4, "little"))
+        h.update(length)
         h.update(raw[i * width:(i + 1) * width])
         prev = h.digest()
         ids.append(prev)
