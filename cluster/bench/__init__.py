@@ -9,6 +9,7 @@ BENCHMARKS: dict[str, str] = {
     "disk": "cluster.bench.disk",
     "lookup": "cluster.bench.lookup",
     "routing": "cluster.bench.routing",
+    "migrate": "cluster.bench.migrate",
 }
 
 

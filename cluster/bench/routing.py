@@ -1,17 +1,18 @@
 """Cache-affinity routing against power-of-two choices, on the same shared-prefix workload, in one run.
 
-    mlx-fleet bench routing [--nodes 3] [--conversations 24] [--turns 3] [--systems 4] [--concurrency 6]
-                            [--ram-mb 16] [--model tiny-dense] [--json out.json]
+    mlx-fleet bench routing [--nodes 3] [--conversations 36] [--turns 3] [--systems 12] [--system-words 300]
+                            [--doc-words 800] [--concurrency 3] [--ram-mb 16] [--model tiny-dense] [--json out.json]
 
 For each policy a fresh local fleet starts (`mlx-fleet up --routing ...`, RAM
 tiers smaller than the workload) and runs the same seeded workload: chat
-conversations, each on one of a few long shared system prompts, turn after
-turn (the history grows with every reply), several conversations at once.
+conversations, each on one of a few shared system prompts and with its own
+long document in its first turn, turn after turn (the history grows with
+every reply), several conversations at once.
 Per request it records the time to the first streamed token, cached and
 prompt tokens, and the serving node. Reported per policy:
 - cached-token ratio, and its fraction of the oracle: the tokens the best
   possible routing could have restored (the longest prefix computed anywhere
-  in the fleet before the request, in whole blocks);
+  in the fleet before the request - prompts and replies - in whole blocks);
 - TTFT p50 and p90;
 - max node load / mean (requests per node).
 And the ratios affinity vs pow2. Goals: >= 90% of the oracle, TTFT p50 3x
@@ -46,10 +47,14 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
-def workload(seed: int, conversations: int, turns: int, systems: int) -> list[dict]:
+def workload(seed: int, conversations: int, turns: int, systems: int, words: int, doc_words: int) -> list[dict]:
+    """Conversations on shared system prompts; each brings its own document in its first turn (RAG,
+    an agent's tool output, a pasted file), and later turns ask short questions about it."""
     rng = random.Random(seed)
-    prompts = [f"System {s}: {text(rng, 500)}" for s in range(systems)]
-    return [{"system": prompts[c % systems], "questions": [f"Turn {t} of {c}: {text(rng, 12)}?" for t in range(turns)]}
+    prompts = [f"System {s}: {text(rng, words)}" for s in range(systems)]
+    return [{"system": prompts[c % systems],
+             "questions": [f"Document {c}: {text(rng, doc_words)}\nQuestion 0 of {c}: {text(rng, 12)}?"]
+             + [f"Turn {t} of {c}: {text(rng, 12)}?" for t in range(1, turns)]}
             for c in range(conversations)]
 
 
@@ -61,8 +66,8 @@ class Oracle:
         self.seen: set[bytes] = set()
         self.lock = threading.Lock()
 
-    def tokens(self, messages: list[dict]) -> list[int]:
-        return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+    def tokens(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+        return list(self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
                                                  return_dict=False))
 
     def best(self, prompt: list[int]) -> int:
@@ -109,10 +114,11 @@ def run_policy(policy: str, a, work: Path, plan: list[dict]) -> dict:
                     prompt = oracle.tokens(messages)
                     best = oracle.best(prompt)
                     rec = ask(http, a.model, messages)
-                    oracle.computed(prompt)
                     rec.update(oracle=best, tokens=len(prompt))
                     records.append(rec)
                     messages.append({"role": "assistant", "content": rec["text"]})
+                    # What was computed: the prompt and the reply (the reply as the next turn tokenizes it).
+                    oracle.computed(oracle.tokens(messages, generation_prompt=False))
 
             t0 = time.monotonic()
             with ThreadPoolExecutor(a.concurrency) as pool:
@@ -159,19 +165,22 @@ def summarize(policy: str, records: list[dict], wall: float) -> dict:
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--conversations", type=int, default=24)
+    p.add_argument("--conversations", type=int, default=36)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--systems", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--systems", type=int, default=12)
+    p.add_argument("--system-words", type=int, default=300, help="words per shared system prompt (~1.3 tokens each)")
+    p.add_argument("--doc-words", type=int, default=800, help="words of each conversation's own document")
+    p.add_argument("--concurrency", type=int, default=3)
     p.add_argument("--ram-mb", type=float, default=16)
     p.add_argument("--model", default="tiny-dense")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    plan = workload(a.seed, a.conversations, a.turns, a.systems)
+    plan = workload(a.seed, a.conversations, a.turns, a.systems, a.system_words, a.doc_words)
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as work:
         rows = [run_policy(policy, a, Path(work), plan) for policy in ("affinity", "pow2")]
-    print(f"{a.conversations} conversations x {a.turns} turns on {a.systems} system prompts, {a.nodes} nodes, "
-          f"{a.concurrency} at once, RAM tier {a.ram_mb} MiB per replica")
+    print(f"{a.conversations} conversations x {a.turns} turns on {a.systems} system prompts ({a.system_words} words) "
+          f"with a {a.doc_words}-word document each, {a.nodes} nodes, {a.concurrency} at once, RAM tier {a.ram_mb} MiB "
+          "per replica")
     print(f"{'policy':<10}{'cached':>8}{'oracle':>8}{'of oracle':>11}{'ttft p50':>10}{'ttft p90':>10}{'max/mean':>10}")
     for r in rows:
         print(f"{r['policy']:<10}{r['cached_ratio']:>8.1%}{r['oracle_ratio']:>8.1%}{r['of_oracle'] or 0:>11.1%}"

@@ -150,3 +150,20 @@ def test_a_corrupt_block_on_the_peer_is_caught_and_the_answer_is_still_exact(nod
     assert a.h.store.stats()["quarantined"]["payload"] == 1  # the peer refused to send it
     warm = b.h.run_with(prompt, BlockSession(b.h.pc, list(prompt), prefetch))
     b.h.assert_same(warm, b.h.cold(prompt))
+
+
+def test_a_restarted_node_announces_what_its_disk_holds(node, disk_harness, redis_url, tmp_path):
+    a = node("tiny-dense", "A")
+    prompt = prompt_of(200)
+    a.h.warm(prompt, max_tokens=1)
+    a.settle()
+    a.pub.close()  # the node goes away: its entries stop counting
+    assert "A" not in a.holding(prompt)
+    again = Node(disk_harness("tiny-dense", node_dir=tmp_path / "A", block_tokens=B), "A", redis_url)  # empty RAM
+    try:
+        assert again.pub.flush(10)
+        h = again.holding(prompt)["A"]
+        assert (h.hit, h.disk, h.ram) == (6, 6, 0) and again.pub.generation == 2
+    finally:
+        again.pub.close()
+        again.h.pc.tiers.disk.close()

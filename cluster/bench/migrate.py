@@ -1,0 +1,98 @@
+"""Pulling a prefix from a peer against recomputing it, through a real 2-node fleet, in one run.
+
+    mlx-fleet bench migrate [--tokens 2048] [--concurrency 4] [--model tiny-dense] [--json out.json]
+
+1. One prompt of `tokens` token ids is computed cold on some node (the holder).
+2. `concurrency` fresh prompts of the same length are sent at once: every one
+   is computed cold somewhere. Their time to first token is the baseline.
+3. `concurrency` copies of the first prompt are sent at once: bounded load
+   spreads them, so the other node pulls the prefix from the holder (Ray, the
+   node stores) instead of recomputing it. Their TTFT is compared with (2),
+   under the same concurrency.
+It prints both, their ratio, how many tokens were pulled, and the cost model's
+inputs from `status` (each node's prefill tokens/s, each link's bytes/s).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from cluster.bench.common import parser, prompt_tokens, write_json
+from cluster.bench.routing import cli
+from cluster.fleet.ports import free_port
+
+
+def first_token(http: httpx.Client, model: str, prompt: list[int]) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        route = r.headers["x-fleet-route"]
+        node = r.headers["x-fleet-node"]
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+    pairs = dict(p.split("=", 1) for p in route.split()[1:])
+    return {"ttft_s": time.monotonic() - t0, "node": node, "route": route, "fetched": int(pairs.get("fetched", 0)),
+            "local": int(pairs.get("local", 0))}
+
+
+def burst(http: httpx.Client, model: str, prompts: list[list[int]]) -> list[dict]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: first_token(http, model, p), prompts))
+
+
+def main(argv: list[str]) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--model", default="tiny-dense")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-migrate-") as work:
+        data_dir, port = Path(work) / "fleet", free_port()
+        cli(data_dir, "up", "--nodes", "2", "--port", str(port), "--model", a.model, "--no-dashboard")
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600, trust_env=False) as http:
+                shared = prompt_tokens(a.tokens, salt=1)
+                holder = first_token(http, a.model, shared)
+                time.sleep(3)  # on the holder's disk, announced in the index
+                cold = burst(http, a.model, [prompt_tokens(a.tokens, salt=100 + i) for i in range(a.concurrency)])
+                warm = burst(http, a.model, [shared] * a.concurrency)
+            status = json.loads(cli(data_dir, "status", "--json"))
+        finally:
+            cli(data_dir, "down", timeout=300)
+    pulled = [w for w in warm if w["fetched"]]
+    local = [w for w in warm if not w["fetched"]]
+    cold_p50 = statistics.median(c["ttft_s"] for c in cold)
+    row = {"tokens": a.tokens, "concurrency": a.concurrency, "holder": holder,
+           "cold_ttft_s": [c["ttft_s"] for c in cold], "pulled_ttft_s": [w["ttft_s"] for w in pulled],
+           "local_ttft_s": [w["ttft_s"] for w in local], "pulled_tokens": [w["fetched"] for w in pulled],
+           "routes": [w["route"] for w in warm], "cost_model": status["fleet"]["cost_model"],
+           "migrated_bytes": status["fleet"]["migrated_bytes"]}
+    print(f"{a.tokens}-token prompt, 2 nodes, {a.concurrency} requests at once:")
+    print(f"  (alone, cold on the holder: TTFT {holder['ttft_s']:.3f}s)")
+    print(f"  cold (recomputed)      TTFT p50 {cold_p50:.3f}s  {['%.2f' % c['ttft_s'] for c in cold]}")
+    if pulled:
+        pull_p50 = statistics.median(w["ttft_s"] for w in pulled)
+        row["pulled_vs_cold"] = pull_p50 / cold_p50
+        row["pulled_vs_cold_alone"] = pull_p50 / holder["ttft_s"]
+        print(f"  pulled from the holder TTFT p50 {pull_p50:.3f}s  ({len(pulled)} requests, "
+              f"{pulled[0]['fetched']} tokens each): {row['pulled_vs_cold']:.3f}x cold at the same concurrency, "
+              f"{row['pulled_vs_cold_alone']:.3f}x cold alone")
+    else:
+        print("  no request was sent to the other node (every copy fit on the holder)")
+    if local:
+        print(f"  on the holder           TTFT p50 {statistics.median(w['ttft_s'] for w in local):.3f}s "
+              f"({len(local)} requests)")
+    for node, cm in status["fleet"]["cost_model"].items():
+        links = ", ".join(f"from {k}: {v / 1e6:.0f} MB/s" for k, v in cm["link_bytes_per_s"].items()) or "-"
+        print(f"  {node}: prefill {cm['prefill_tps']:.0f} tokens/s; links {links}")
+    write_json(a.json, "migrate", row)
+    return 0
