@@ -62,7 +62,7 @@ class NodeStore:
     async def keys(self, ns: bytes) -> list[bytes]:
         return self.disk.keys(ns)
 
-    async def holdings(self, ns: bytes) -> list[tuple[bytes, str, bytes]]:
+    async def holdings(self, ns: bytes) -> list[tuple[bytes, str, bytes, int]]:
         return self.disk.holdings(ns)
 
     async def touch(self, ns: bytes, keys: list[bytes]) -> int:

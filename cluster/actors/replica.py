@@ -189,7 +189,8 @@ class ModelReplica:
                 "block_bytes": pc.shapes.kv_bytes_per_token * pc.B, "state_bytes": pc.shapes.state_bytes,
                 "link_bps": {k: round(v) for k, v in self.peers.link_bps.items()},
                 "free_memory": psutil.virtual_memory().available,
-                "disk_blocks": len(pc.tiers.disk.on_disk) if pc.tiers.disk is not None else 0}
+                "disk_blocks": len(pc.tiers.disk.on_disk) if pc.tiers.disk is not None else 0,
+                "disk_bytes": pc.tiers.disk.disk_bytes if pc.tiers.disk is not None else 0}
 
     def check_health(self) -> None:
         if not self.scheduler.alive:

@@ -58,6 +58,7 @@ class DiskClient:
         self.read_timeout_s = read_timeout_s
         self.breaker = breaker or Breaker()
         self.on_disk: set[bytes] = set()
+        self.disk_bytes = 0  # bytes of this namespace's blocks on the node's disk (from the store's events)
         self._queue: deque[tuple[bytes, np.ndarray]] = deque()
         self._queued: set[bytes] = set()
         self._pending_bytes = 0
@@ -250,7 +251,8 @@ class DiskClient:
                 if batch.gap or self._cursor is None:
                     held = self.link.holdings(self.ns)  # read after the batch: see events.py
                     with self._cond:
-                        self.on_disk = {key for key, _, _ in held}
+                        self.on_disk = {key for key, *_ in held}
+                        self.disk_bytes = sum(size for *_, size in held)
                     self.counters["resyncs"] += 1
                     if self.on_resync is not None:
                         self.on_resync(held)
@@ -261,8 +263,8 @@ class DiskClient:
         except Exception as e:
             log.debug("disk event sync failed: %s", e)
 
-    def holdings(self) -> list[tuple[bytes, str, bytes]]:
-        """(key, kind, block id) of everything the disk holds for this namespace (one store call)."""
+    def holdings(self) -> list[tuple[bytes, str, bytes, int]]:
+        """(key, kind, block id, bytes) of everything the disk holds for this namespace (one store call)."""
         return self.link.holdings(self.ns)
 
     def _apply(self, events: list) -> None:
@@ -271,8 +273,10 @@ class DiskClient:
             for e in mine:
                 if e.event == "stored":
                     self.on_disk.add(e.key)
+                    self.disk_bytes += e.nbytes
                 else:
                     self.on_disk.discard(e.key)
+                    self.disk_bytes -= e.nbytes
                 self.counters["events_applied"] += 1
         if mine and self.on_events is not None:
             self.on_events(mine)

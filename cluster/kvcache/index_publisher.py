@@ -145,8 +145,8 @@ class IndexPublisher:
         if not self.generation or self._dirty:
             self.generation = self.index.next_generation(self.ns, self.node)
         for tier, held in (("ram", ram), ("disk", disk)):
-            self.index.replace(self.ns, self.node, tier, [b for _, k, b in held if k == "kv"],
-                               [b for _, k, b in held if k != "kv"])
+            self.index.replace(self.ns, self.node, tier, [b for _, k, b, *_ in held if k == "kv"],
+                               [b for _, k, b, *_ in held if k != "kv"])
         self.index.renew(self.ns, self.node, self._written(), self.ttl_ms)
         self._dirty = False
         self.counters["announces"] += 1
@@ -157,8 +157,8 @@ class IndexPublisher:
             resync, self._disk_resync = self._disk_resync, None
         try:
             if resync is not None:
-                self.index.replace(self.ns, self.node, "disk", [b for _, k, b in resync if k == "kv"],
-                                   [b for _, k, b in resync if k != "kv"])
+                self.index.replace(self.ns, self.node, "disk", [b for _, k, b, *_ in resync if k == "kv"],
+                                   [b for _, k, b, *_ in resync if k != "kv"])
             if changes:
                 self.index.apply(self.ns, self.node, changes)
                 self.counters["flushes"] += 1

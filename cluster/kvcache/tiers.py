@@ -59,13 +59,13 @@ class Tiers:
             self.listener(BlockEvent("stored" if event == "stored" else "evicted", "ram", self.ns, key,
                                      h.parent if h.kind == "kv" else h.id, h.tokens, len(data), h.kind))
 
-    def ram_holdings(self) -> list[tuple[bytes, str, bytes]]:
-        """(key, kind, block id) of every block in RAM: what a full announce publishes."""
+    def ram_holdings(self) -> list[tuple[bytes, str, bytes, int]]:
+        """(key, kind, block id, bytes) of every block in RAM: what a full announce publishes."""
         out = []
         for key, data in self.ram.snapshot():
             try:
                 h = block_format.peek(data)
             except BlockError:
                 continue
-            out.append((key, h.kind, h.id))
+            out.append((key, h.kind, h.id, len(data)))
         return out

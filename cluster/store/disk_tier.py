@@ -197,10 +197,10 @@ class DiskStore:
         """Every key held for `ns` (a consumer's resync after an event gap)."""
         return self.index.keys(ns)
 
-    def holdings(self, ns: bytes) -> list[tuple[bytes, str, bytes]]:
-        """(key, kind, block id) of every block held for `ns`: what a full announce publishes."""
+    def holdings(self, ns: bytes) -> list[tuple[bytes, str, bytes, int]]:
+        """(key, kind, block id, bytes) of every block held for `ns`: what a full announce publishes."""
         with self.index.lock:
-            return [(e.key, e.kind, e.key if e.kind == "kv" else e.parent)
+            return [(e.key, e.kind, e.key if e.kind == "kv" else e.parent, e.size)
                     for e in self.index.entries.values() if e.ns == ns]
 
     def touch(self, ns: bytes, keys: list[bytes]) -> int:

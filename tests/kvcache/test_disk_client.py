@@ -102,3 +102,14 @@ def test_breaker_states(outcomes, state):
     for o in outcomes:
         b.success() if o == "ok" else b.failure()
     assert b.state == state and b.allow() == (state == "closed")
+
+
+def test_the_client_knows_how_many_bytes_its_namespace_holds_on_disk(tmp_path):
+    blocks = chain(4)
+    store = DiskStore(tmp_path / "node", budget=3 * len(blocks[0][2]))
+    client = client_for(store)
+    client.sync_events()  # the first sync is a resync: sizes from the store's listing
+    store.write_many(blocks)  # the fourth evicts the first
+    client.sync_events()
+    assert client.disk_bytes == store.index.bytes == 3 * len(blocks[0][2])
+    client.close()
