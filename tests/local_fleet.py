@@ -16,6 +16,12 @@ from cluster.fleet.processes import tagged
 from cluster.fleet.state import fleet_tag, load_state
 
 
+def route_of(headers) -> dict:
+    """`x-fleet-route` as a dict: the policy, then its key=value pairs."""
+    policy, *pairs = headers["x-fleet-route"].split()
+    return {"policy": policy, **{k: v for k, v in (p.split("=", 1) for p in pairs)}}
+
+
 def node_name(node_id: str) -> str:
     """node-0-1a2b3c4d -> node-0: the label part of a persistent node id."""
     return node_id.rsplit("-", 1)[0]

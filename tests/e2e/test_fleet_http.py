@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.local_fleet import LocalFleet, node_name
+from tests.local_fleet import LocalFleet, node_name, route_of
 
 pytestmark = pytest.mark.fleet
 MODEL = "tiny-dense"
@@ -238,24 +239,22 @@ def wait_for_health(http, models: dict, timeout_s: float = 20.0) -> httpx.Respon
         time.sleep(0.5)
 
 
-def test_same_long_prompt_twice_is_served_from_cache_with_identical_text(http):
+def test_a_long_prompt_is_cold_once_then_cached_wherever_it_is_served_with_identical_text(http):
     prompt = " ".join(["The fleet keeps every prefix it has seen, block by block."] * 40)  # ~500 tokens
-    runs: dict[str, list] = {}
-    for _ in range(30):
+    runs = []
+    for _ in range(6):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200
         body = r.json()
         cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert r.headers["x-fleet-cached-tokens"] == str(cached)
-        runs.setdefault(r.headers["x-fleet-node"], []).append((cached, body["choices"][0]["text"], body["usage"]["prompt_tokens"]))
-        if len(runs) == 2 and all(len(v) >= 2 for v in runs.values()):
-            break
-    texts = {text for v in runs.values() for _, text, _ in v}
-    assert len(texts) == 1  # identical greedy text, cached or cold, on either node
-    for node, seen in runs.items():
-        (first, _, n), (second, _, _) = seen[0], seen[1]
-        assert first == 0, node
-        assert 0 < second < n and second % 64 == 0, (node, second)
+        runs.append((cached, body["choices"][0]["text"], body["usage"]["prompt_tokens"], route_of(r.headers)))
+    assert len({text for _, text, _, _ in runs}) == 1  # identical greedy text, cold, cached or pulled from a peer
+    (first, _, n, plan), later = runs[0], runs[1:]
+    assert first == 0 and plan["local"] == plan["fetched"] == "0", plan
+    for cached, _, _, plan in later:
+        assert 0 < cached < n and cached % 64 == 0, (cached, plan)
+        assert cached == int(plan["local"]) + int(plan["fetched"]), plan
 
 
 def test_streaming_reports_cached_tokens_in_header_and_usage(http):
@@ -317,13 +316,14 @@ def timed(fn) -> float:
 
 def test_a_huge_prompt_is_refused_cheaply_and_never_stalls_other_requests(fleet, http):
     small = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
-    idle = sorted(timed(lambda: http.post("/v1/chat/completions", json=small)) for _ in range(5))[2]
+    idle = statistics.median(timed(lambda: http.post("/v1/chat/completions", json=small)) for _ in range(7))
     huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * (3 << 20)}]}).encode()
-    result = {}
+    refusals = []
 
-    def send_huge():
-        result["r"] = httpx.post(f"{fleet.url}/v1/chat/completions", content=huge, timeout=60,
-                                 headers={"content-type": "application/json"})
+    def send_huge():  # several in a row, so the small requests below overlap them many times
+        for _ in range(4):
+            refusals.append(httpx.post(f"{fleet.url}/v1/chat/completions", content=huge, timeout=60,
+                                       headers={"content-type": "application/json"}))
 
     worker = threading.Thread(target=send_huge)
     worker.start()
@@ -331,8 +331,11 @@ def test_a_huge_prompt_is_refused_cheaply_and_never_stalls_other_requests(fleet,
     while worker.is_alive():
         busy.append(timed(lambda: http.post("/v1/chat/completions", json=small)))
     worker.join()
-    assert error_of(result["r"], 400)["code"] == "context_length_exceeded"
-    assert max(busy) <= 2 * idle + 0.05, (idle, busy)
+    assert [error_of(r, 400)["code"] for r in refusals] == ["context_length_exceeded"] * 4
+    # Typical latency within 2x of idle (15 MB still costs the 2 cores here some CPU to receive and parse),
+    # and no request ever waits behind the huge one's tokenization (that took 7.3 s before it moved off the loop).
+    assert statistics.median(busy) <= 2 * idle + 0.05, (idle, busy)
+    assert max(busy) < 1.0, (idle, busy)
 
 
 def test_a_long_prompt_that_passes_the_cheap_check_is_tokenized_and_refused(http):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from cluster.fleet.processes import kill_sessions
-from tests.local_fleet import LocalFleet, node_name
+from tests.local_fleet import LocalFleet, node_name, route_of
 
 pytestmark = pytest.mark.fleet
 MODEL = "tiny-dense"
@@ -34,8 +34,7 @@ def http(fleet):
 
 
 def route(r: httpx.Response) -> dict:
-    policy, *pairs = r.headers["x-fleet-route"].split()
-    return {"policy": policy, **{k: v for k, v in (p.split("=", 1) for p in pairs)}}
+    return route_of(r.headers)
 
 
 def chat(http, messages, max_tokens=8):
