@@ -62,8 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     _data_dir(models)
 
     bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
-    bench.add_argument("name", help="which benchmark: ttft | codec | blocksize | disk")
+    bench.add_argument("name", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+
+    # Listed here for the help; its arguments are its own (loadtest/run.py), see main().
+    sub.add_parser("loadtest", add_help=False,
+                   help="locust load test with a report: TTFT by cache state, routing policies compared "
+                        "(see `mlx-fleet loadtest -h`)")
     return p
 
 
@@ -185,6 +190,11 @@ COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "models": cmd_
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["loadtest"]:
+        from loadtest.run import main as loadtest
+
+        return loadtest(argv[1:])
     args = _parser().parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:

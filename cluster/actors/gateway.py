@@ -13,6 +13,7 @@ JSON body.
 # through Serve's ingress wrapper, or it treats them as query parameters.
 
 import asyncio
+import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
@@ -28,7 +29,7 @@ from cluster.actors.gateway_stats import GatewayStats
 from cluster.actors.health import Health
 from cluster.actors.routing import Affinity
 from cluster.actors.served_model import ServedModel
-from cluster.api.errors import APIError, from_validation_errors, internal
+from cluster.api.errors import APIError, bad_request, from_validation_errors, internal
 from cluster.api.front_door import FrontDoor, FrontDoorSettings
 from cluster.api.keys import ApiKeys, read_keys
 from cluster.api.responses import SSE_DONE, Reply, sse
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 app = FastAPI(title="mlx-fleet", description="OpenAI-compatible serving from a fleet of Apple Silicon Macs.")
 front_door = FrontDoorSettings()
+CACHE_HEADER = "x-fleet-cache"
 app.add_middleware(FrontDoor, settings=front_door)
 
 
@@ -71,6 +73,16 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error")
     return internal(f"internal error: {type(exc).__name__}").response()
+
+
+def use_cache(headers) -> bool:
+    """`x-fleet-cache: bypass` asks for the cold path (no restore, no capture), so a client can check that
+    the cache never changes an answer (the load test's replay does)."""
+    value = headers.get(CACHE_HEADER, "use").strip().lower()
+    if value not in ("use", "bypass"):
+        raise bad_request(f"header {CACHE_HEADER} must be 'use' (the default) or 'bypass', not {value!r}",
+                          CACHE_HEADER)
+    return value == "use"
 
 
 @serve.ingress(app)
@@ -102,7 +114,9 @@ class Gateway:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [m.card() for m in self.dispatch.models.values()]}
+        # kv_block_tokens: what a client needs to tell a full cache hit from a partial one (0: no cache).
+        block = self.config.cache.block_tokens if self.config.cache.enabled else 0
+        return {"object": "list", "data": [m.card() | {"kv_block_tokens": block} for m in self.dispatch.models.values()]}
 
     @app.get("/v1/fleet/status")
     async def status(self) -> dict:
@@ -110,24 +124,25 @@ class Gateway:
                                        self.config.data_dir)
 
     @app.post("/v1/chat/completions")
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest, http: Request):
         served = self.dispatch.model(body.model)
         prompt = await served.chat_prompt(body)
         reply = Reply(served.name, chat=True, include_usage=body.include_usage())
-        return await self._respond(served, body, prompt, reply)
+        return await self._respond(served, body, prompt, reply, use_cache=use_cache(http.headers))
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, http: Request):
         served = self.dispatch.model(body.model)
         prompt = await served.text_prompt(body)
         echo = await served.decode(prompt) if body.echo else ""
         reply = Reply(served.name, chat=False, include_usage=body.include_usage())
-        return await self._respond(served, body, prompt, reply, echo)
+        return await self._respond(served, body, prompt, reply, echo, use_cache=use_cache(http.headers))
 
-    async def _respond(self, served: ServedModel, body, prompt: list[int], reply: Reply, echo: str = ""):
+    async def _respond(self, served: ServedModel, body, prompt: list[int], reply: Reply, echo: str = "",
+                       use_cache: bool = True):
         self.view.start()
         self.stats.start()
-        request = served.make_request(body, prompt, chat=reply.chat)
+        request = dataclasses.replace(served.make_request(body, prompt, chat=reply.chat), use_cache=use_cache)
         if body.stream:
             run = await self.dispatch.start(served, request)
             return StreamingResponse(self._stream(run, reply, echo), media_type="text/event-stream",

@@ -7,7 +7,7 @@ holds, before prefilling.
 
 `x-fleet-route` is written from the plan and what the replica reports:
 
-    <policy> reason=<hit|load|miss|fallback|policy> local=<tokens> fetched=<tokens> [from=<peer node id>]
+    <policy> reason=<hit|load|miss|fallback|policy|bypass> local=<tokens> fetched=<tokens> [from=<peer node id>]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class FetchPlan:
 @dataclass(frozen=True)
 class RoutePlan:
     policy: str  # "affinity" | "pow2" | "round_robin"
-    reason: str  # "hit" | "load" | "miss" | "fallback" | "policy"
+    reason: str  # "hit" | "load" | "miss" | "fallback" | "policy" | "bypass"
     node_id: Optional[str] = None  # the chosen node (None: let the router pick)
     ranked: tuple[str, ...] = ()  # Ray node ids, most preferred first
     tokens: int = 0  # tokens the chosen node is expected to restore (locally or fetched)
@@ -55,3 +55,4 @@ class GenerateRequest:
     prompt_tokens: tuple[int, ...]
     params: GenerationParams
     route: Optional[RoutePlan] = None
+    use_cache: bool = True  # False (`x-fleet-cache: bypass`): no restore, no capture: the cold path, to compare

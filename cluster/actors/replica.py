@@ -112,7 +112,10 @@ class ModelReplica:
         yield [Accepted(self.node.node_id)]
         prompt = list(request.prompt_tokens)
         pull = request.route.fetch if request.route is not None else None
-        session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
+        if request.use_cache:
+            session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
+        else:
+            session = ColdSession(self.model)
         seq = Sequence(prompt, request.params, self.model, self.tokenizer, session, self.spec.prefill_step_tokens)
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
         ended = False

@@ -115,7 +115,10 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity") -> 
     cap = math.ceil(load_factor * (total + 1) / len(opts))
     eligible = [o for o in opts if o.load + 1 <= cap] or opts
     ties = {id(o): random.random() for o in opts}  # equal predictions: spread, not always the first node
-    key = (lambda o: (round(o.ttft_s, 6), o.load, ties[id(o)]))
+
+    def key(o: Option) -> tuple:
+        return round(o.ttft_s, 6), o.load, ties[id(o)]
+
     fastest = min(opts, key=key)
     chosen = min(eligible, key=key)
     if not any(o.tokens for o in opts):

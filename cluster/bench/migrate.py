@@ -25,8 +25,7 @@ from pathlib import Path
 import httpx
 
 from cluster.bench.common import parser, prompt_tokens, write_json
-from cluster.bench.routing import cli
-from cluster.fleet.ports import free_port
+from cluster.fleet.spawned import SpawnedFleet
 
 
 def first_token(http: httpx.Client, model: str, prompt: list[int]) -> dict:
@@ -56,18 +55,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="tiny-dense")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-migrate-") as work:
-        data_dir, port = Path(work) / "fleet", free_port()
-        cli(data_dir, "up", "--nodes", "2", "--port", str(port), "--model", a.model, "--no-dashboard")
-        try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600, trust_env=False) as http:
+        with SpawnedFleet(Path(work) / "fleet", 2, (a.model,)) as fleet:
+            with httpx.Client(base_url=fleet.url, timeout=600, trust_env=False) as http:
                 shared = prompt_tokens(a.tokens, salt=1)
                 holder = first_token(http, a.model, shared)
                 time.sleep(3)  # on the holder's disk, announced in the index
                 cold = burst(http, a.model, [prompt_tokens(a.tokens, salt=100 + i) for i in range(a.concurrency)])
                 warm = burst(http, a.model, [shared] * a.concurrency)
-            status = json.loads(cli(data_dir, "status", "--json"))
-        finally:
-            cli(data_dir, "down", timeout=300)
+            status = fleet.status()
     pulled = [w for w in warm if w["fetched"]]
     local = [w for w in warm if not w["fetched"]]
     cold_p50 = statistics.median(c["ttft_s"] for c in cold)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from cluster.bench.common import parser, write_json
-from cluster.fleet.ports import free_port
+from cluster.fleet.spawned import SpawnedFleet
 from cluster.store.hashing import chain_ids
 
 WORDS = ("fleet cache block token prompt node replica route restore model memory disk network apple metal prefix "
@@ -85,28 +83,16 @@ class Oracle:
             self.seen.update(chain_ids(self.ns, prompt, self.B))
 
 
-def cli(data_dir: Path, *args: str, timeout: float = 900) -> str:
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--data-dir", str(data_dir)],
-                       capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        raise RuntimeError(f"mlx-fleet {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
-    return r.stdout
-
-
 def run_policy(policy: str, a, work: Path, plan: list[dict]) -> dict:
-    data_dir = work / policy
-    port = free_port()
-    cli(data_dir, "up", "--nodes", str(a.nodes), "--port", str(port), "--model", a.model, "--routing", policy,
-        "--cache-ram-gb", str(a.ram_mb / 1024), "--no-dashboard")
-    try:
+    with SpawnedFleet(work / policy, a.nodes, (a.model,), policy, ("--cache-ram-gb", str(a.ram_mb / 1024))) as fleet:
         from transformers import AutoTokenizer
 
-        status = json.loads(cli(data_dir, "status", "--json"))
+        status = fleet.status()
         cache = status["replicas"][0]["cache"]
-        oracle = Oracle(AutoTokenizer.from_pretrained(str(data_dir / "models" / a.model)),
+        oracle = Oracle(AutoTokenizer.from_pretrained(str(fleet.data_dir / "models" / a.model)),
                         bytes.fromhex(cache["namespace_hex"]), cache["block_tokens"])
         records: list[dict] = []
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600, trust_env=False) as http:
+        with httpx.Client(base_url=fleet.url, timeout=600, trust_env=False) as http:
             def converse(conv: dict) -> None:
                 messages = [{"role": "system", "content": conv["system"]}]
                 for q in conv["questions"]:
@@ -124,8 +110,6 @@ def run_policy(policy: str, a, work: Path, plan: list[dict]) -> dict:
             with ThreadPoolExecutor(a.concurrency) as pool:
                 list(pool.map(converse, plan))
             wall = time.monotonic() - t0
-    finally:
-        cli(data_dir, "down", timeout=300)
     return summarize(policy, records, wall)
 
 

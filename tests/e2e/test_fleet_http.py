@@ -52,7 +52,9 @@ def test_up_prints_endpoint_and_a_curl_that_works(fleet, http):
 
 
 def test_models_endpoint(client):
-    assert [m.id for m in client.models.list().data] == [MODEL, OTHER]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL, OTHER]
+    assert [m.model_extra["kv_block_tokens"] for m in models] == [64, 64]
 
 
 def test_health(http):
@@ -255,6 +257,19 @@ def test_a_long_prompt_is_cold_once_then_cached_wherever_it_is_served_with_ident
     for cached, _, _, plan in later:
         assert 0 < cached < n and cached % 64 == 0, (cached, plan)
         assert cached == int(plan["local"]) + int(plan["fetched"]), plan
+
+
+def test_the_cache_bypass_header_gives_the_cold_answer_and_bad_values_are_400(http):
+    body = {"model": MODEL, "prompt": " ".join(["A cold path to compare against."] * 30), "max_tokens": 10,
+            "temperature": 0}
+    warm = [http.post("/v1/completions", json=body) for _ in range(2)]
+    cold = http.post("/v1/completions", json=body, headers={"x-fleet-cache": "bypass"})
+    assert warm[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert route_of(cold.headers) == {"policy": "affinity", "reason": "bypass", "local": "0", "fetched": "0"}
+    assert {r.json()["choices"][0]["text"] for r in warm + [cold]} == {cold.json()["choices"][0]["text"]}
+    err = error_of(http.post("/v1/completions", json=body, headers={"x-fleet-cache": "sometimes"}), 400)
+    assert err["param"] == "x-fleet-cache"
 
 
 def test_streaming_reports_cached_tokens_in_header_and_usage(http):

@@ -1,0 +1,65 @@
+"""A fleet started as a child of this process, for benchmarks and load tests.
+
+It goes through the same `mlx-fleet up` / `status` / `down` a user types (in a
+subprocess, with its own data dir and a free loopback port), so what is measured
+is the product as shipped. `down` always runs, even when `up` fails halfway, so
+nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from cluster.fleet.ports import free_port
+
+
+class SpawnedFleet:
+    def __init__(self, data_dir: Path, nodes: int = 2, models: tuple[str, ...] = ("tiny-dense",),
+                 routing: Optional[str] = None, extra: tuple[str, ...] = (), port: Optional[int] = None):
+        self.data_dir = Path(data_dir)
+        self.nodes = nodes
+        self.models = models
+        self.routing = routing
+        self.extra = extra
+        self.port = port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cli(self, *args: str, timeout: float = 900) -> str:
+        """Run `mlx-fleet <args> --data-dir <ours>`; a failure raises with everything it printed."""
+        r = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--data-dir", str(self.data_dir)],
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"mlx-fleet {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        return r.stdout
+
+    def up(self) -> "SpawnedFleet":
+        args = ["up", "--nodes", str(self.nodes), "--port", str(self.port), "--no-dashboard", *self.extra]
+        for m in self.models:
+            args += ["--model", m]
+        if self.routing:
+            args += ["--routing", self.routing]
+        self.cli(*args)
+        return self
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json"))
+
+    def down(self) -> None:
+        self.cli("down", timeout=300)
+
+    def __enter__(self) -> "SpawnedFleet":
+        try:
+            return self.up()
+        except BaseException:
+            self.down()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.down()
