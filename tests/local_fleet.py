@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
-from pathlib import Path
-from typing import Optional
 
 import psutil
 
-from cluster.fleet.ports import free_port
 from cluster.fleet.processes import tagged
+from cluster.fleet.spawned import SpawnedFleet
 from cluster.fleet.state import fleet_tag, load_state
 
 
@@ -27,46 +22,11 @@ def node_name(node_id: str) -> str:
     return node_id.rsplit("-", 1)[0]
 
 
-class LocalFleet:
-    def __init__(self, data_dir: Path, nodes: int = 2, models: tuple[str, ...] = ("tiny-dense",),
-                 extra: tuple[str, ...] = (), dashboard: bool = False, env: Optional[dict] = None):
-        self.data_dir = Path(data_dir)
-        self.port = free_port()
-        self.nodes = nodes
-        self.models = models
-        self.extra = extra
-        self.dashboard = dashboard
-        self.env = env or {}
-        self.up_output = ""
+class LocalFleet(SpawnedFleet):
+    """A SpawnedFleet plus what tests look into: its processes, state and replica pids."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--data-dir", str(self.data_dir)],
-                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **self.env})
-        if check and r.returncode != 0:
-            raise AssertionError(f"mlx-fleet {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-        return r
-
-    def up_args(self) -> list[str]:
-        args = ["up", "--nodes", str(self.nodes), "--port", str(self.port), *self.extra]
-        if not self.dashboard:
-            args.append("--no-dashboard")
-        for m in self.models:
-            args += ["--model", m]
-        return args
-
-    def up(self) -> "LocalFleet":
-        self.up_output = self.cli(*self.up_args()).stdout
-        return self
-
-    def down(self) -> None:
-        self.cli("down", timeout=120)
-
-    def status(self) -> dict:
-        return json.loads(self.cli("status", "--json").stdout)
+    def cli(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return self.run(*args, timeout=timeout)
 
     def state(self):
         return load_state(self.data_dir)
@@ -84,13 +44,3 @@ class LocalFleet:
             except psutil.Error:
                 continue
         return out
-
-    def __enter__(self) -> "LocalFleet":
-        try:
-            return self.up()
-        except BaseException:
-            self.down()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.down()

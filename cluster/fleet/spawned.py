@@ -1,4 +1,4 @@
-"""A fleet started as a child of this process, for benchmarks and load tests.
+"""A fleet started as a child of this process, for benchmarks, load tests and the end-to-end tests.
 
 It goes through the same `mlx-fleet up` / `status` / `down` a user types (in a
 subprocess, with its own data dir and a free loopback port), so what is measured
@@ -9,6 +9,7 @@ nothing is left behind.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,40 +20,49 @@ from cluster.fleet.ports import free_port
 
 class SpawnedFleet:
     def __init__(self, data_dir: Path, nodes: int = 2, models: tuple[str, ...] = ("tiny-dense",),
-                 routing: Optional[str] = None, extra: tuple[str, ...] = (), port: Optional[int] = None):
+                 routing: Optional[str] = None, extra: tuple[str, ...] = (), dashboard: bool = False,
+                 env: Optional[dict] = None):
         self.data_dir = Path(data_dir)
         self.nodes = nodes
         self.models = models
         self.routing = routing
         self.extra = extra
-        self.port = port or free_port()
+        self.dashboard = dashboard
+        self.env = env or {}
+        self.port = free_port()
+        self.up_output = ""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def cli(self, *args: str, timeout: float = 900) -> str:
-        """Run `mlx-fleet <args> --data-dir <ours>`; a failure raises with everything it printed."""
+    def run(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+        """`mlx-fleet <args> --data-dir <ours>`; with `check`, a failure raises with everything it printed."""
         r = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--data-dir", str(self.data_dir)],
-                           capture_output=True, text=True, timeout=timeout)
-        if r.returncode != 0:
+                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **self.env})
+        if check and r.returncode != 0:
             raise RuntimeError(f"mlx-fleet {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-        return r.stdout
+        return r
 
-    def up(self) -> "SpawnedFleet":
-        args = ["up", "--nodes", str(self.nodes), "--port", str(self.port), "--no-dashboard", *self.extra]
+    def up_args(self) -> list[str]:
+        args = ["up", "--nodes", str(self.nodes), "--port", str(self.port), *self.extra]
+        if not self.dashboard:
+            args.append("--no-dashboard")
         for m in self.models:
             args += ["--model", m]
         if self.routing:
             args += ["--routing", self.routing]
-        self.cli(*args)
+        return args
+
+    def up(self) -> "SpawnedFleet":
+        self.up_output = self.run(*self.up_args()).stdout
         return self
 
     def status(self) -> dict:
-        return json.loads(self.cli("status", "--json"))
+        return json.loads(self.run("status", "--json").stdout)
 
     def down(self) -> None:
-        self.cli("down", timeout=300)
+        self.run("down", timeout=300)
 
     def __enter__(self) -> "SpawnedFleet":
         try:
