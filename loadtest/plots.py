@@ -63,14 +63,15 @@ def _ttft(answered: dict[str, list[dict]]):
     return fig
 
 
-def _bins(rows: list[dict], t0: float, width: float, value) -> tuple[list[float], list[float]]:
-    if not rows:
-        return [], []
-    n = int((rows[-1]["t_end"] - t0) // width) + 1
-    sums = [0.0] * n
-    for r in rows:
-        sums[int((r["t_end"] - t0) // width)] += value(r)
-    return [(i + 0.5) * width for i in range(n)], [s / width for s in sums]
+def _rolling(rows: list[dict], t0: float, value, points: int = 60) -> tuple[list[float], list[float], float]:
+    """Rate over a trailing window (a tenth of the run, at least 5 s): at a few requests per second,
+    per-second bins are mostly noise."""
+    span = rows[-1]["t_end"] - t0
+    window = max(5.0, span / 10)
+    ends = [r["t_end"] - t0 for r in rows]
+    xs = [min(window, span) + i * max(span - window, 0.0) / (points - 1) for i in range(points)]
+    ys = [sum(value(r) for r, e in zip(rows, ends) if x - window < e <= x) / window for x in xs]
+    return xs, ys, window
 
 
 def _throughput(answered: dict[str, list[dict]]):
@@ -81,9 +82,10 @@ def _throughput(answered: dict[str, list[dict]]):
         if not rows:
             continue
         t0 = min(r["t_start"] for r in rows)
-        width = max(1.0, (rows[-1]["t_end"] - t0) / 30)
-        top.plot(*_bins(rows, t0, width, lambda r: 1.0), color=f"C{i}", marker=".", label=name)
-        bottom.plot(*_bins(rows, t0, width, lambda r: r["completion_tokens"]), color=f"C{i}", marker=".", label=name)
+        xs, ys, window = _rolling(rows, t0, lambda r: 1.0)
+        top.plot(xs, ys, color=f"C{i}", label=f"{name} ({window:.0f} s window)")
+        xs, ys, _ = _rolling(rows, t0, lambda r: r["completion_tokens"])
+        bottom.plot(xs, ys, color=f"C{i}", label=name)
     top.set_ylabel("answered requests/s")
     bottom.set_ylabel("generated tokens/s")
     bottom.set_xlabel("seconds since the first request")

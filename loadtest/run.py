@@ -84,7 +84,7 @@ def check_target(url: str, allow_remote: bool) -> None:
 def locust_command(a: argparse.Namespace, url: str, run_dir: Path) -> list[str]:
     duration = a.duration or ("" if a.requests else "60s")
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
-           "-u", str(a.users), "-r", str(a.spawn_rate), "--host", url, "--stop-timeout", "120",
+           "-u", str(a.users), "-r", str(a.spawn_rate), "--host", url,
            "--csv", str(run_dir / "locust"), "--html", str(run_dir / "report.html"),
            "--records", str(run_dir / "records.jsonl"), "--verify-fraction", str(a.verify_fraction),
            "--tags", *a.workload]
