@@ -37,6 +37,8 @@ class RoutePlan:
     node_id: Optional[str] = None  # the chosen node (None: let the router pick)
     ranked: tuple[str, ...] = ()  # Ray node ids, most preferred first
     tokens: int = 0  # tokens the chosen node is expected to restore (locally or fetched)
+    # What to pull first. Its peer is the chosen node itself when that node holds the prefix: a no-op
+    # there, and what a replica the router moved the request to pulls instead of recomputing.
     fetch: Optional[FetchPlan] = None
     predicted_ttft_s: float = 0.0
 

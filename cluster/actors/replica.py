@@ -125,8 +125,7 @@ class ModelReplica:
                 while not inbox.empty():
                     events.extend(inbox.get_nowait())
                 ended = any(isinstance(e, TERMINAL) for e in events)
-                if ended:
-                    self._count(events)
+                self._count(events)  # Started (fetched tokens) comes batches before the end
                 yield events
         finally:
             if not ended:

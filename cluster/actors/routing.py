@@ -18,7 +18,9 @@ answer wins, so a hot system prompt fills its holder up to the bound and then
 spreads - with the others pulling the prefix from it rather than recomputing.
 
 Reasons (x-fleet-route): `hit` (the fastest node overall, holding a prefix),
-`load` (the fastest was over the bound, or the router moved the request),
+`load` (the fastest was over the bound, or the router moved the request: then the
+replica that gets it pulls what the planned node holds on disk, as the plan's fetch
+names that node; the planned node itself ignores a fetch from itself),
 `miss` (nobody holds anything: least loaded), `fallback` (no index: power of
 two choices), `policy` (pow2 / round_robin configured).
 """
@@ -52,6 +54,9 @@ class Option:
     ttft_s: float
     load: int
     fetch: Optional[FetchPlan] = None
+    # What it holds on its own disk, as a pull from it: if the router moves the request elsewhere
+    # (its replica looked too busy), the replica that gets it pulls this instead of recomputing.
+    holder: Optional[FetchPlan] = None
 
 
 def restorable(info: ReplicaInfo, prompt_len: int, blocks: int, checkpoint: int) -> int:
@@ -90,7 +95,7 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
         tps = speeds[node.node_id]
         load = loads.get(node.node_id, 0)
         local = restorable(node, prompt_len, h.hit, h.ck) if h else 0
-        best = Option(node, local, (prompt_len - local) / tps * (1 + load), load)
+        best = Option(node, local, (prompt_len - local) / tps * (1 + load), load, None, _holder(node, prompt_len, h))
         for peer_id, p in held.items():
             if peer_id == node.node_id or ns_of.get(peer_id) != node.namespace:
                 continue  # itself, or a node whose blocks are another fingerprint's (e.g. another GPU)
@@ -107,6 +112,16 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
                               FetchPlan(peer_id, start, end, node.recurrent, peer_tokens, nbytes))
         out.append(best)
     return out
+
+
+def _holder(node: ReplicaInfo, prompt_len: int, h: Optional[Holding]) -> Optional[FetchPlan]:
+    """The node's own disk prefix as a pull from it (see Option.holder)."""
+    tokens = restorable(node, prompt_len, h.disk, h.ck_disk) if h else 0
+    if not tokens:
+        return None
+    end = -(-tokens // node.block_tokens)
+    nbytes = end * int(h.lease.get("block_bytes") or 0) + (int(h.lease.get("state_bytes") or 0) if node.recurrent else 0)
+    return FetchPlan(node.node_id, 0, end, node.recurrent, tokens, nbytes)
 
 
 def choose(opts: list[Option], load_factor: float, policy: str = "affinity") -> RoutePlan:
@@ -128,7 +143,8 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity") -> 
     ranked = [chosen] + sorted((o for o in eligible if o is not chosen), key=key) + \
         sorted((o for o in opts if o not in eligible), key=key)
     return RoutePlan(policy=policy, reason=reason, node_id=chosen.node.node_id,
-                     ranked=tuple(o.node.ray_node_id for o in ranked), tokens=chosen.tokens, fetch=chosen.fetch,
+                     ranked=tuple(o.node.ray_node_id for o in ranked), tokens=chosen.tokens,
+                     fetch=chosen.fetch or chosen.holder,
                      predicted_ttft_s=chosen.ttft_s)
 
 

@@ -30,8 +30,15 @@ def plan_for(prompt_len, nodes, held, loads=None, factor=1.25) -> RoutePlan:
 
 def test_the_holder_of_the_longest_prefix_wins_when_idle():
     plan = plan_for(2048, [node(0), node(1), node(2)], [holding(0, hit=8), holding(1, hit=30)])
-    assert (plan.node_id, plan.reason, plan.tokens, plan.fetch) == ("n1", "hit", 1920, None)
+    assert (plan.node_id, plan.reason, plan.tokens, plan.fetch) == ("n1", "hit", 1920, None)  # RAM only: nothing to pull
     assert plan.ranked[0] == "ray1"
+
+
+def test_a_holder_plan_names_its_disk_prefix_for_a_replica_the_router_moves_it_to():
+    plan = plan_for(2048, [node(0), node(1)], [holding(1, hit=30, disk=20)])
+    assert (plan.node_id, plan.tokens) == ("n1", 1920)
+    f = plan.fetch
+    assert (f.peer, f.start_block, f.end_block, f.tokens, f.nbytes) == ("n1", 0, 20, 1280, 20 * 262_144)
 
 
 def test_a_busy_holder_is_predicted_slower_than_a_peer_that_pulls_from_it():
@@ -101,7 +108,7 @@ def test_a_few_percent_of_measured_speed_never_moves_a_prefix_away_from_its_hold
     nodes = [node(0), node(1)]
     held = {"n0": holding(0, hit=10, disk=10, prefill_tps=900.0), "n1": holding(1, prefill_tps=1100.0)}
     plan = choose(options(700, nodes, held, {}, CFG), 1.25)
-    assert (plan.node_id, plan.fetch) == ("n0", None)
+    assert (plan.node_id, plan.fetch.peer) == ("n0", "n0")
     held["n2"] = holding(2)  # a node that has not measured yet counts as the mean, not as the optimistic default
     plan = choose(options(700, nodes + [node(2)], held, {}, CFG), 1.25)
     assert plan.node_id == "n0"

@@ -76,6 +76,7 @@ def test_a_hot_system_prompt_spreads_over_all_nodes_which_pull_it_from_its_holde
     first, reference, _ = chat(http, [system, {"role": "user", "content": "Same question for everyone?"}],
                                max_tokens=24)
     time.sleep(3)  # spilled to the holder's disk, announced
+    fetched_before = fleet.status()["fleet"]["fetched_tokens"]
     bodies = [[system, {"role": "user", "content": f"Question number {i}?"}] for i in range(21)]
     bodies += [[system, {"role": "user", "content": "Same question for everyone?"}]] * 9
 
@@ -95,6 +96,12 @@ def test_a_hot_system_prompt_spreads_over_all_nodes_which_pull_it_from_its_holde
     same = [(r.headers["x-fleet-node"], text) for (r, text, _), b in zip(results, bodies) if "Same" in b[1]["content"]]
     assert {text for _, text in same} == {reference}  # identical whichever node answers
     assert len({n for n, _ in same}) >= 2
+    # The replicas count the pulled tokens the clients were told about, no more, no fewer.
+    told = sum(int(x["fetched"]) for x in routes)
+    deadline = time.monotonic() + 15
+    while (counted := fleet.status()["fleet"]["fetched_tokens"] - fetched_before) != told and time.monotonic() < deadline:
+        time.sleep(1)
+    assert counted == told
 
 
 def block_file(fleet, node_id: str, messages: list, index: int):
