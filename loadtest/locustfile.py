@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import random
 import statistics
@@ -35,6 +36,7 @@ from typing import Optional
 import gevent
 import requests
 from locust import User, between, events, tag, task
+from locust.exception import StopUser
 
 from loadtest.stream import Result, cache_state, complete_chat, stream_chat
 from loadtest.workloads import (WORKLOADS, AgentLoop, DocumentQA, MultiTurnChat, SharedSystemPrompts, Sizes,
@@ -81,7 +83,12 @@ class Run:
         with cls.lock:
             if cls.model is not None:
                 return
+            t0 = time.perf_counter()
             r = user.session.get(user.host.rstrip("/") + "/v1/models", headers=user.headers, timeout=30)
+            user.environment.events.request.fire(
+                request_type="GET", name="/v1/models", response_time=(time.perf_counter() - t0) * 1000,
+                response_length=len(r.content), exception=None if r.ok else RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}"),
+                context={})
             r.raise_for_status()
             cards = r.json()["data"]
             wanted = user.option("model")
@@ -151,7 +158,11 @@ class FleetUser(User):
         self.session.trust_env = False  # no proxies: the fleet is spoken to directly
         key = self.option("api_key")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        Run.discover(self)
+        try:
+            Run.discover(self)
+        except (requests.RequestException, ValueError, KeyError, IndexError) as e:
+            logging.error("cannot start: %s (is --host right, and --api-key / $OPENAI_API_KEY?)", e)
+            raise StopUser() from None
         seed = self.option("workload_seed")
         sizes = Sizes(**{f.name: self.option(f.name) for f in fields(Sizes)})
         number = Run.next_user(self.workload_class.name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -113,6 +115,25 @@ def test_the_openai_sdk_sends_its_api_key(ops):
     bad = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="not-a-key-0123456789", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def locust_with_key(fleet, key: str, out: Path) -> tuple[int, list[dict]]:
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "2",
+                        "-r", "2", "-t", "6s", "--host", fleet.url, "--csv", str(out), "--tags", "unique"],
+                       capture_output=True, text=True, timeout=300, cwd=root, env={**os.environ, "OPENAI_API_KEY": key})
+    with open(f"{out}_stats.csv", newline="") as f:
+        return r.returncode, [row for row in csv.DictReader(f) if row["Name"] != "Aggregated"]
+
+
+def test_the_load_test_sends_the_api_key(ops, tmp_path):
+    fleet, _ = ops
+    code, rows = locust_with_key(fleet, FILE_KEY, tmp_path / "keyed")
+    assert code == 0 and all(row["Failure Count"] == "0" for row in rows)
+    assert {row["Type"] for row in rows} >= {"GET", "POST", "TTFT"}
+    code, rows = locust_with_key(fleet, "not-a-key-0123456789", tmp_path / "unkeyed")  # refused, and said so
+    assert code == 1 and [(row["Type"], row["Name"]) for row in rows] == [("GET", "/v1/models")]
+    assert int(rows[0]["Failure Count"]) >= 1
 
 
 def redis_pid(fleet) -> int:
