@@ -25,6 +25,7 @@ Everything is vectorised numpy; no Python loop runs per element.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -100,20 +101,33 @@ def codebook(d: int, bits: int) -> np.ndarray:
     return c.astype(np.float32)
 
 
+def _group(bits: int) -> tuple[int, int]:
+    """(indices, bytes) per group: the fewest whole indices that fill whole bytes (3 bits: 8 in 3 bytes)."""
+    n = math.lcm(bits, 8)
+    return n // bits, n // 8
+
+
 def pack(idx: np.ndarray, bits: int) -> np.ndarray:
-    """Indices (< 2**bits) to a little-endian bit stream, `bits` per index."""
-    flat = idx.reshape(-1).astype(np.uint8)
-    if bits == 8:
-        return flat.copy()
-    planes = (flat[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
-    return np.packbits(planes.reshape(-1), bitorder="little")
+    """Indices (< 2**bits) to a little-endian bit stream, `bits` per index, ceil(count * bits / 8) bytes."""
+    flat = idx.reshape(-1).astype(np.uint32)
+    count = flat.size
+    per, nbytes = _group(bits)
+    flat = np.concatenate([flat, np.zeros(-count % per, dtype=np.uint32)]).reshape(-1, per)
+    word = (flat << (bits * np.arange(per, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)
+    out = word.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :nbytes].reshape(-1)
+    return out[:-(-count * bits // 8)].copy()
 
 
 def unpack(data: np.ndarray, bits: int, count: int) -> np.ndarray:
-    if bits == 8:
-        return data[:count].astype(np.uint8)
-    planes = np.unpackbits(data, count=count * bits, bitorder="little").reshape(count, bits)
-    return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+    per, nbytes = _group(bits)
+    groups = -(-count // per)
+    raw = np.zeros((groups, 4), dtype=np.uint8)
+    flat = raw[:, :nbytes].reshape(-1)  # a copy: filled, then put back
+    flat[:data.size] = data[:groups * nbytes]
+    raw[:, :nbytes] = flat.reshape(groups, nbytes)
+    word = raw.view("<u4").reshape(-1)
+    idx = (word[:, None] >> (bits * np.arange(per, dtype=np.uint32))) & ((1 << bits) - 1)
+    return idx.reshape(-1)[:count].astype(np.uint8)
 
 
 @dataclass(frozen=True)
