@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block (16-256)")
-    up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4"], help="how K/V are kept")
+    up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4", "tq8", "tq4", "tq3", "tq2"],
+                    help="how K/V are kept: native (exact), q8/q4 (mlx's quantized cache), tq8..tq2 (TurboQuant-packed in the tiers and between nodes)")
     up.add_argument("--cache-ram-gb", type=float, default=None, help="RAM tier budget per replica in GiB (default 2)")
     up.add_argument("--cache-disk-gb", type=float, default=None,
                     help="disk tier budget per node in GiB (default: half the free space, at most 100)")

@@ -40,9 +40,9 @@ class CacheConfig(_Config):
         64, ge=16, le=256,
         description="Tokens per KV block (16-256). Part of the model fingerprint: nodes with different values never share blocks. 64 was chosen by measurement (docs/cache.md).",
     )
-    kv_codec: Literal["native", "q8", "q4"] = Field(
+    kv_codec: Literal["native", "q8", "q4", "tq8", "tq4", "tq3", "tq2"] = Field(
         "native",
-        description="How attention K/V are kept: 'native' in the model dtype (exact), or 'q8'/'q4' as mlx QuantizedKVCache (smaller, changes numerics, full-attention models only).",
+        description="How attention K/V are kept: 'native' in the model dtype (exact); 'q8'/'q4' as mlx QuantizedKVCache (the model runs quantized; full-attention models only); 'tq8'/'tq4'/'tq3'/'tq2' TurboQuant-packed in the RAM and disk tiers and between nodes, decoded to the model dtype on restore (lossy, every family; see docs/turboquant.md).",
     )
     kv_group_size: int = Field(64, description="Quantization group size along head_dim for q8/q4.")
     ram_bytes: int = Field(

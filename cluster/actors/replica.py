@@ -188,7 +188,7 @@ class ModelReplica:
         pc = self.cache.cache
         return {"node_name": self.node.name, "ray_node_id": self.ray_node_id, "model": self.spec.name,
                 "prefill_tps": round(self.scheduler.prefill_tps, 1), **self.scheduler.load(),
-                "block_bytes": pc.shapes.kv_bytes_per_token * pc.B, "state_bytes": pc.shapes.state_bytes,
+                "block_bytes": pc.block_bytes, "state_bytes": pc.shapes.state_bytes,
                 "link_bps": {k: round(v) for k, v in self.peers.link_bps.items()},
                 "free_memory": psutil.virtual_memory().available,
                 "disk_blocks": len(pc.tiers.disk.on_disk) if pc.tiers.disk is not None else 0,

@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, str] = {
     "lookup": "cluster.bench.lookup",
     "routing": "cluster.bench.routing",
     "migrate": "cluster.bench.migrate",
+    "turboquant": "cluster.bench.turboquant",
 }
 
 

@@ -1,6 +1,6 @@
 """Pulling a prefix from a peer against recomputing it, through a real 2-node fleet, in one run.
 
-    mlx-fleet bench migrate [--tokens 2048] [--concurrency 4] [--model tiny-dense] [--json out.json]
+    mlx-fleet bench migrate [--tokens 2048] [--concurrency 4] [--model tiny-dense] [--kv-codec native] [--json out.json]
 
 1. One prompt of `tokens` token ids is computed cold on some node (the holder).
 2. `concurrency` fresh prompts of the same length are sent at once: every one
@@ -53,9 +53,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--model", default="tiny-dense")
+    p.add_argument("--kv-codec", default="native", help="the fleet's --kv-codec (tq4: 0.27x the bytes to move)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-migrate-") as work:
-        with SpawnedFleet(Path(work) / "fleet", 2, (a.model,)) as fleet:
+        with SpawnedFleet(Path(work) / "fleet", 2, (a.model,), extra=("--kv-codec", a.kv_codec)) as fleet:
             with httpx.Client(base_url=fleet.url, timeout=600, trust_env=False) as http:
                 shared = prompt_tokens(a.tokens, salt=1)
                 holder = first_token(http, a.model, shared)
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
     pulled = [w for w in warm if w["fetched"]]
     local = [w for w in warm if not w["fetched"]]
     cold_p50 = statistics.median(c["ttft_s"] for c in cold)
-    row = {"tokens": a.tokens, "concurrency": a.concurrency, "holder": holder,
+    row = {"tokens": a.tokens, "concurrency": a.concurrency, "kv_codec": a.kv_codec, "holder": holder,
            "cold_ttft_s": [c["ttft_s"] for c in cold], "pulled_ttft_s": [w["ttft_s"] for w in pulled],
            "local_ttft_s": [w["ttft_s"] for w in local], "pulled_tokens": [w["fetched"] for w in pulled],
            "routes": [w["route"] for w in warm], "cost_model": status["fleet"]["cost_model"],

@@ -33,14 +33,15 @@ STEP = 256  # KVCache's own growth step
 # code must not be read by the new: the descriptor is part of the fingerprint
 # (so the namespace changes) and of every block header (so a block is refused
 # if it disagrees).
-CODEC_VERSIONS = {"native": 1, "q8": 1, "q4": 1}
-CODEC_BITS = {"native": None, "q8": 8, "q4": 4}
+CODEC_VERSIONS = {"native": 1, "q8": 1, "q4": 1, "tq8": 1, "tq4": 1, "tq3": 1, "tq2": 1}
+CODEC_BITS = {"native": None, "q8": 8, "q4": 4, "tq8": 8, "tq4": 4, "tq3": 3, "tq2": 2}
+AFFINE = ("q8", "q4")  # mlx's QuantizedKVCache: the model itself runs quantized
 
 
 def codec_descriptor(name: str, group_size: int) -> list:
     """[name, version, bits, group] of a payload codec: what the fingerprint and block headers carry."""
     bits = CODEC_BITS[name]
-    return [name, CODEC_VERSIONS[name], bits, group_size if bits else None]
+    return [name, CODEC_VERSIONS[name], bits, group_size if name in AFFINE else None]
 
 
 class CaptureError(RuntimeError):

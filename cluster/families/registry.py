@@ -35,7 +35,7 @@ def layout_for(model, config: dict, kv_codec: str = "native", group_size: int = 
         raise UnsupportedModel(model_type, "no layout declared for this family")
     specs = tuple(fn(model, text_config(config)))
     _check_against_mlx(model_type, specs, model)
-    if kv_codec != "native":
+    if kv_codec in ("q8", "q4"):  # tq*: the model runs native caches, blocks are packed (kvcache/payload_codec.py)
         if any(not isinstance(s, FullAttention) for s in specs):
             raise UnsupportedModel(model_type, f"kv_codec {kv_codec} needs a model with full attention only "
                                                "(mlx-lm cannot quantize sliding-window or recurrent caches)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 import mlx.core as mx
@@ -26,6 +27,7 @@ import numpy as np
 from cluster.config import CacheConfig
 from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry
 from cluster.families.specs import Layout, Recurrent
+from cluster.kvcache.payload_codec import TurboQuantPayload
 from cluster.kvcache.plan import Planner
 from cluster.kvcache.tiers import Tiers
 from cluster.store import block_format
@@ -83,7 +85,7 @@ class Shapes:
 
 class PrefixCache:
     def __init__(self, layout: Layout, namespace: bytes, config: CacheConfig, tiers: Tiers, shapes: Shapes,
-                 codec: list):
+                 codec: list, payload: Optional[TurboQuantPayload] = None):
         self.layout = layout
         self.namespace = namespace
         self.B = config.block_tokens
@@ -91,9 +93,20 @@ class PrefixCache:
         self.shapes = shapes
         self.dtype = shapes.dtype
         self.codec = codec
+        self.payload = payload  # None: KV blocks hold the model's own arrays
+        self.kv_arrays = payload.signature() if payload is not None else shapes.kv
+        self.codec_quality: Optional[dict] = None
+        # Packing costs CPU the model thread must not spend: KV blocks of a lossy codec are packed on a
+        # thread of their own, and reach the tiers when packed (until then a lookup simply misses them).
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="mlx-fleet-pack") if payload is not None else None
+        self._packing: set[bytes] = set()
+        self._packing_lock = threading.Lock()
+        # Payload bytes of one KV block as the tiers and peers hold it (what a pull moves).
+        self.block_bytes = (_nbytes(self.kv_arrays) if payload is not None
+                            else shapes.kv_bytes_per_token * config.block_tokens)
         self.described = layout.describe()
         self.planner = Planner(layout, self.B)
-        self.every = checkpoint_interval(shapes.state_bytes, shapes.kv_bytes_per_token * self.B,
+        self.every = checkpoint_interval(shapes.state_bytes, self.block_bytes,
                                          config.checkpoint_overhead)
         self.counters = CacheCounters()
 
@@ -103,13 +116,16 @@ class PrefixCache:
         return Expect(namespace=self.namespace, id=ids[index], kind=kind, layout=self.described,
                       block_tokens=self.B, parent=ids[index - 1] if index else self.namespace,
                       start=index * self.B, dtype=self.dtype, codec=self.codec,
-                      arrays=self.shapes.kv if kind == "kv" else self.shapes.state)
+                      arrays=self.kv_arrays if kind == "kv" else self.shapes.state)
 
     def decode(self, data, kind: str, index: int, ids: list[bytes]) -> Block:
         """Decode and check block `index` (or the checkpoint at its end) of the chain `ids`.
 
         No MLX here (the arrays are numpy views), so it runs off the model thread."""
-        return block_format.decode(data, self.expect(kind, index, ids))
+        block = block_format.decode(data, self.expect(kind, index, ids))
+        if kind == "kv" and self.payload is not None:
+            block.entries = self.payload.decode(block.entries)
+        return block
 
     # -- cold caches ---------------------------------------------------------
     def new_caches(self) -> list:
@@ -159,10 +175,10 @@ class PrefixCache:
 
     # -- store (model thread) ---------------------------------------------------------------
     def store_block(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], caches: list) -> None:
-        if self.tiers.ram.present([block_id])[0]:
+        if self.tiers.ram.present([block_id])[0] or block_id in self._packing:
             return
         start = index * self.B
-        entries = _host([capture_block(spec, cache, start, start + self.B, self.B)
+        entries = host_entries([capture_block(spec, cache, start, start + self.B, self.B)
                          for spec, cache in zip(self.layout.layers, caches)])
         self._put(block_id, "kv", block_id, parent, start, tokens, entries)
         self.counters.blocks_stored += 1
@@ -171,7 +187,7 @@ class PrefixCache:
         key = state_key(block_id)
         if self.tiers.ram.present([key])[0]:
             return
-        self._put(key, "state", block_id, parent, index * self.B, tokens, _host(state))
+        self._put(key, "state", block_id, parent, index * self.B, tokens, host_entries(state))
         self.counters.checkpoints_stored += 1
 
     def snapshot_state(self, caches: list) -> list:
@@ -181,14 +197,43 @@ class PrefixCache:
         block = Block(kind=kind, namespace=self.namespace, id=block_id, parent=parent, start=start,
                       tokens=np.asarray(tokens, dtype="<u4"), layout=self.described, dtype=self.dtype,
                       codec=self.codec, entries=entries)
-        self.tiers.put(key, block_format.encode(block))
+        if kind == "kv" and self._packer is not None:
+            with self._packing_lock:
+                self._packing.add(key)
+            self._packer.submit(self._pack_and_put, key, block)
+        else:
+            self.tiers.put(key, block_format.encode(block))
+
+    def _pack_and_put(self, key: bytes, block: Block) -> None:
+        """On the packing thread: the arrays are numpy views of evaluated buffers; no MLX call here."""
+        try:
+            block.entries = self.payload.encode(block.entries)
+            self.tiers.put(key, block_format.encode(block))
+        except Exception:  # a block not kept is a later miss, never a wrong answer
+            log.exception("packing block %s failed; it is not cached", key.hex()[:16])
+        finally:
+            with self._packing_lock:
+                self._packing.discard(key)
+
+    def flush(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until every block captured so far is packed and in the tiers."""
+        if self._packer is not None:
+            self._packer.submit(lambda: None).result(timeout_s)
 
     def stats(self) -> dict:
-        return {"block_tokens": self.B, "checkpoint_every": self.every, **self.counters.as_dict(),
-                **self.tiers.stats()}
+        out = {"block_tokens": self.B, "checkpoint_every": self.every, **self.counters.as_dict(),
+               **self.tiers.stats()}
+        if self.codec_quality is not None:
+            out["codec_quality"] = self.codec_quality
+        return out
 
 
-def _host(entries: list[list[mx.array]]) -> list[list]:
+def _nbytes(signature: Signature) -> int:
+    return sum(int(np.prod(shape)) * np.dtype(block_format.STORAGE[tag]).itemsize
+               for arrays in signature for tag, shape in arrays)
+
+
+def host_entries(entries: list[list[mx.array]]) -> list[list]:
     """Evaluate every array of a block in one sync and view them from numpy."""
     flat = host_views([a for arrays in entries for a in arrays])
     out, i = [], 0

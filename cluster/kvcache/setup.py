@@ -14,12 +14,13 @@ from typing import Optional
 import mlx.core as mx
 
 from cluster.config import CacheConfig
-from cluster.families.codecs import codec_descriptor, new_cache, payload_signature
+from cluster.families.codecs import capture_block, codec_descriptor, new_cache, payload_signature
 from cluster.families.registry import UnsupportedModel, layout_for
 from cluster.families.specs import Layout, Recurrent
 from cluster.kvcache.breaker import Breaker
 from cluster.kvcache.disk_client import DiskClient
-from cluster.kvcache.prefix_cache import PrefixCache, Shapes, layout_byte_sizes
+from cluster.kvcache.payload_codec import payload_codec
+from cluster.kvcache.prefix_cache import PrefixCache, Shapes, host_entries, layout_byte_sizes
 from cluster.kvcache.store_link import StoreLink
 from cluster.kvcache.tiers import Tiers
 from cluster.models.resolve import read_config
@@ -51,6 +52,13 @@ def probe(model, layout: Layout, block_tokens: int) -> Shapes:
                   state_bytes=state_bytes, kv_bytes_per_token=per_token)
 
 
+def probe_block(model, layout: Layout, block_tokens: int) -> list:
+    """Block 0 of a fixed prompt, as a block would hold it: real K/V to measure a lossy codec on."""
+    caches = [new_cache(spec) for spec in layout.layers]
+    model(mx.array([[(i * 37 + 5) % 1000 for i in range(block_tokens)]]), cache=caches)
+    return host_entries([capture_block(spec, c, 0, block_tokens, block_tokens) for spec, c in zip(layout.layers, caches)])
+
+
 def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path,
                 store_link: Optional[StoreLink] = None, listener=None) -> CacheSetup:
     """`store_link` is the node's disk tier (None: RAM only); `listener` receives tier events."""
@@ -70,7 +78,11 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
         disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes, config.store_timeout_s,
                           config.read_timeout_s, Breaker(config.breaker_failures, config.breaker_cooldown_s))
     tiers = Tiers(config.ram_bytes, fp.namespace, disk, listener)
-    cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec)
+    payload = payload_codec(config.kv_codec, layout, shapes.kv, fp.namespace)
+    cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec, payload)
+    if payload is not None:
+        cache.codec_quality = payload.quality(probe_block(model, layout, config.block_tokens))
+        log.info("KV codec %s on this model's own K/V: %s", config.kv_codec, cache.codec_quality)
     log.info("KV block cache for %s: namespace %s, layout %s, %d B/token, checkpoint every %d blocks",
              layout.family, fp.short, layout.describe(), shapes.kv_bytes_per_token, cache.every)
     return CacheSetup(cache, fp)

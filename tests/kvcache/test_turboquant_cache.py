@@ -1,0 +1,93 @@
+"""--kv-codec tq8|tq4|tq3|tq2: blocks are TurboQuant-packed in the tiers and restored in the model dtype, for every
+family (sliding windows included); recurrent checkpoints stay lossless; the quality is measured and reported."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cluster.store.block_format import CorruptPayload
+from cluster.store.hashing import chain_ids, state_key
+from tests.kvcache.conftest import prompt_of
+
+MODELS = ["tiny-dense", "tiny-swa", "tiny-hybrid", "tiny-gemma4", "tiny-next"]
+B = 32
+
+
+def first_step_error(warm, cold) -> float:
+    """Relative L2 error of the first generated step's logits. Later steps are not compared: the tiny
+    models' random weights are chaotic (Gaussian noise of tq8's size moves tiny-swa's argmax within 4 steps)."""
+    a, b = warm.logits[0].astype(mx.float32), cold.logits[0].astype(mx.float32)
+    return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
+
+
+def restored_error(h, prompt, seed=None) -> float:
+    h.warm(prompt)
+    h.pc.flush()  # blocks are packed off the model thread
+    if seed is not None:
+        h.pc.payload.seed = seed  # decode with another node's rotation: the negative control
+    warm, cold = h.warm(prompt), h.cold(prompt)
+    assert warm.cached == 192
+    return first_step_error(warm, cold)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_packed_prefix_restores_close_to_cold_and_more_bits_are_closer(harness, name):
+    prompt = prompt_of(200)
+    e8 = restored_error(harness(name, block_tokens=B, kv_codec="tq8"), prompt)
+    e4 = restored_error(harness(name, block_tokens=B, kv_codec="tq4"), prompt)
+    wrong = restored_error(harness(name, block_tokens=B, kv_codec="tq4"), prompt, seed=b"another namespace")
+    assert e8 <= 0.1 and e8 < e4 and 2 * e4 < wrong, (e8, e4, wrong)
+
+
+@pytest.mark.parametrize("codec", ["tq8", "tq4"])
+def test_the_replica_measures_its_codec_on_its_own_model(harness, codec):
+    q = harness("tiny-gemma4", block_tokens=B, kv_codec=codec).pc.stats()["codec_quality"]
+    assert q["codec"] == codec and q["coded_entries"] == q["entries"] == 4 and q["vectors"] > 0
+    assert q["cosine_mean"] >= {"tq8": 0.9999, "tq4": 0.995}[codec]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decoded_blocks_have_the_models_own_shapes_and_dtype_and_checkpoints_stay_exact(harness, name):
+    native = harness(name, block_tokens=B).pc
+    h = harness(name, block_tokens=B, kv_codec="tq4")
+    prompt = prompt_of(200)
+    h.warm(prompt)
+    h.pc.flush()
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    block = h.pc.decode(h.pc.tiers.ram.get(ids[2]), "kv", 2, ids)
+    assert tuple(tuple((tag, a.shape) for tag, a in arrays) for arrays in block.entries) == native.shapes.kv
+    assert h.pc.block_bytes < 0.3 * native.block_bytes or not any(h.pc.payload.coded[1:])
+    if h.pc.layout.has_recurrent:  # checkpoints: the model's arrays, bit for bit (no codec)
+        key = state_key(ids[(200 - 1) // B - 1])
+        raw = h.pc.tiers.ram.get(key)
+        assert raw is not None and h.pc.expect("state", (200 - 1) // B - 1, ids).arrays == native.shapes.state
+
+
+def test_a_corrupted_packed_payload_is_caught_by_the_checksum(harness):
+    h = harness("tiny-dense", block_tokens=B, kv_codec="tq4")
+    prompt = prompt_of(200)
+    h.warm(prompt)
+    h.pc.flush()
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    data = bytearray(h.pc.tiers.ram.get(ids[1]))
+    data[-40] ^= 0x10  # a bit in the packed indices
+    with pytest.raises(CorruptPayload):
+        h.pc.decode(bytes(data), "kv", 1, ids)
+
+
+def test_codecs_never_share_blocks(harness):
+    namespaces = {harness("tiny-dense", block_tokens=B, kv_codec=c).pc.namespace for c in ("native", "tq8", "tq4")}
+    assert len(namespaces) == 3
+
+
+def test_the_encoding_of_a_block_is_deterministic(harness):
+    a, b = (harness("tiny-swa", block_tokens=B, kv_codec="tq3") for _ in range(2))
+    prompt = prompt_of(100)
+    a.warm(prompt)
+    b.warm(prompt)
+    a.pc.flush()
+    b.pc.flush()
+    ids = chain_ids(a.pc.namespace, prompt, B)
+    assert a.pc.namespace == b.pc.namespace
+    assert np.array_equal(np.frombuffer(a.pc.tiers.ram.get(ids[0]), np.uint8),
+                          np.frombuffer(b.pc.tiers.ram.get(ids[0]), np.uint8))
