@@ -101,6 +101,28 @@ def codebook(d: int, bits: int) -> np.ndarray:
     return c.astype(np.float32)
 
 
+_CELLS = 1 << 16  # lookup cells over [-1, 1]: far finer than the closest two codebook edges
+
+
+@lru_cache(maxsize=64)
+def _lookup(d: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first index of each cell, edges padded with +inf): nearest-centroid search as a table lookup plus
+    one comparison, instead of a binary search per coordinate."""
+    c = codebook(d, bits)
+    edges = (c[1:] + c[:-1]) / 2
+    assert np.min(np.diff(edges), initial=1.0) > 2.0 / _CELLS, "cells must not hold two edges"
+    lower = -1.0 + 2.0 * np.arange(_CELLS) / _CELLS
+    return np.searchsorted(edges, lower, side="right").astype(np.int32), np.append(edges, np.inf).astype(np.float32)
+
+
+def nearest(y: np.ndarray, d: int, bits: int) -> np.ndarray:
+    """Index of the nearest codebook centroid of every coordinate of y (values in [-1, 1])."""
+    first, edges = _lookup(d, bits)
+    cell = np.clip(((y + 1.0) * (_CELLS / 2)).astype(np.int32), 0, _CELLS - 1)
+    idx = first[cell]
+    return (idx + (y > edges[idx])).astype(np.uint8)
+
+
 def _group(bits: int) -> tuple[int, int]:
     """(indices, bytes) per group: the fewest whole indices that fill whole bytes (3 bits: 8 in 3 bytes)."""
     n = math.lcm(bits, 8)
@@ -156,8 +178,7 @@ def encode(x: np.ndarray, bits: int, seed: bytes) -> Encoded:
     norms = np.linalg.norm(v, axis=-1).astype(np.float32)
     unit = v / np.where(norms > 0, norms, 1.0)[..., None]
     y = rotate(unit, seed)
-    c = codebook(d, bits)
-    idx = np.searchsorted((c[1:] + c[:-1]) / 2, y).astype(np.uint8)
+    idx = nearest(y, d, bits)
     return Encoded(tuple(x.shape), str(x.dtype), norms, pack(idx, bits), bits)
 
 
