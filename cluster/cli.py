@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--no-disk-cache", action="store_true", help="keep blocks in RAM only")
     up.add_argument("--no-cache", action="store_true", help="disable KV block reuse")
     up.add_argument("--max-context", type=int, default=None, help="override every model's context window")
+    up.add_argument("--no-batching", action="store_true",
+                    help="decode each replica's sequences in turns, one token each, instead of in one batch")
+    up.add_argument("--decode-concurrency", type=int, default=None,
+                    help="sequences a replica decodes in one batch (default: its max ongoing requests, 16)")
+    up.add_argument("--prefill-concurrency", type=int, default=None,
+                    help="sequences a replica prefills at once (default 8)")
     up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503")
     up.add_argument("--api-keys-file", default=None, metavar="FILE",
                     help="require 'Authorization: Bearer <key>' with one of the keys in FILE (one per line); "
@@ -79,7 +85,10 @@ def _data_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _fleet_config(a: argparse.Namespace) -> FleetConfig:
-    overrides = {"max_context": a.max_context} if a.max_context else {}
+    overrides = {k: v for k, v in {"max_context": a.max_context, "decode_concurrency": a.decode_concurrency,
+                                   "prefill_concurrency": a.prefill_concurrency}.items() if v is not None}
+    if a.no_batching:
+        overrides["batching"] = False
     models = [ModelSpec.parse(m, **overrides) for m in (a.model or ["tiny-dense"])]
     ram = int(a.cache_ram_gb * 2**30) if a.cache_ram_gb is not None else None
     disk = int(a.cache_disk_gb * 2**30) if a.cache_disk_gb is not None else None

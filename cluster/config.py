@@ -91,6 +91,15 @@ class ModelSpec(_Config):
         None, ge=0, description="Replicas of this model. Default: one per fleet node (nodes with the mlx_fleet resource).",
     )
     prefill_step_tokens: int = Field(512, ge=16, description="Prompt tokens per prefill chunk; other requests' decode steps interleave between chunks.")
+    batching: bool = Field(
+        True, description="Continuous batching: every decoding sequence of a replica advances in one batched forward. Off: sequences take turns, one token each. A model whose cache classes cannot batch (e.g. kv_codec q8/q4) is served in turns either way, and status says why.",
+    )
+    decode_concurrency: Optional[int] = Field(
+        None, ge=1, le=1024, description="Sequences one replica decodes in one batch; more wait, holding only their fetched blocks. Default: max_ongoing_requests.",
+    )
+    prefill_concurrency: int = Field(
+        8, ge=1, le=1024, description="Sequences one replica prefills at once (block-aligned chunks, round-robin, about prefill_step_tokens per decode step).",
+    )
 
     @field_validator("name")
     @classmethod

@@ -50,7 +50,9 @@ class ModelReplica:
         self.node = current_node(app.data_dir)
         self.started = time.time()
         link = self._disk_link(app)
-        self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}")
+        self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}", batching=spec.batching,
+                                   decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
+                                   prefill_concurrency=spec.prefill_concurrency)
         self.path, self.model, self.tokenizer, self.cache, self.memory = self.scheduler.run(lambda: self._load(app, link))
         self.ray_node_id = _ray_node_id()
         self.admission = self.peers = self.publisher = None
@@ -83,7 +85,9 @@ class ModelReplica:
     def _load(self, app: AppConfig, link):
         """Runs on the model thread: memory limits, weights (a built-in model is built with MLX), the cache probe."""
         from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
 
+        from cluster.engine.batch import batchable
         from cluster.engine.metal import configure_memory
         from cluster.kvcache.setup import setup_cache
 
@@ -91,6 +95,11 @@ class ModelReplica:
         path = resolve_model(self.spec.source, Path(app.data_dir).expanduser())
         model, tokenizer = load(str(path))
         cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link)
+        self.new_caches = cache.cache.new_caches if cache.cache is not None else (lambda: make_prompt_cache(model))
+        can_batch, why = batchable(self.new_caches())
+        if not can_batch and self.scheduler.batching:
+            log.warning("%s: %s", self.spec.name, why)
+            self.scheduler.disable_batching(why)
         return path, model, tokenizer, cache, memory
 
     def _disk_link(self, app: AppConfig):
@@ -115,7 +124,7 @@ class ModelReplica:
         if request.use_cache:
             session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
         else:
-            session = ColdSession(self.model)
+            session = ColdSession(self.model, self.new_caches)
         seq = Sequence(prompt, request.params, self.model, self.tokenizer, session, self.spec.prefill_step_tokens)
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
         ended = False
@@ -136,7 +145,7 @@ class ModelReplica:
         """The admission stage: the cached prefix is fetched here (and pulled from a peer if the plan says
         so), before the model thread sees the request."""
         if self.admission is None:
-            return ColdSession(self.model)
+            return ColdSession(self.model, self.new_caches)
         prefetch = await self.admission.fetch_async(prompt, pull)
         return BlockSession(self.cache.cache, prompt, prefetch)
 
@@ -162,9 +171,10 @@ class ModelReplica:
             "pid": os.getpid(),
             "started": self.started,
             "renewed": time.time(),
-            "active": self.scheduler.active,
             "healthy": self.scheduler.alive,
             "prefill_tps": round(self.scheduler.prefill_tps, 1),
+            **self.scheduler.load(),
+            "batching": self.scheduler.stats(),
             **self.counters,
             "cache": self.cache_stats(),
         }

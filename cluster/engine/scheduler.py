@@ -4,9 +4,20 @@ MLX work stays on this one thread (see model_thread.py): loading the model,
 probing it, restoring caches, capturing blocks and generating. Everything that
 waits - Ray, Redis, the disk - happens before a sequence is submitted (the
 admission stage), so nothing here ever blocks on I/O, and the asyncio loop that
-talks to Ray never blocks on this thread. Active sequences are advanced
-round-robin, one step each: a long prefill is cut into chunks and other
-requests' tokens flow between them.
+talks to Ray never blocks on this thread.
+
+Batched (the default, when the model's cache classes can batch; batch.py),
+each turn of the loop:
+1. admits waiting sequences while fewer than `prefill_concurrency` are
+   prefilling and fewer than `decode_concurrency` run in all (the rest wait,
+   holding only their fetched blocks);
+2. prefills about one chunk's worth of prompt tokens, block-aligned chunks
+   taken round-robin from the prefilling sequences, so a long prompt delays
+   the decoding ones by one chunk at most;
+3. runs one decode step for the whole batch, which prefilled sequences join.
+
+Sequential (`batching=False`, or caches that cannot batch): every active
+sequence takes one step per turn, alone: a prefill chunk or one token.
 """
 
 from __future__ import annotations
@@ -14,10 +25,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from cluster.engine import model_thread
+from cluster.engine.batch import DecodeBatch
 from cluster.engine.events import Event, Failed
 from cluster.engine.sequence import Sequence
 
@@ -27,16 +41,35 @@ Emit = Callable[[list[Event]], None]
 T = TypeVar("T")
 
 
+@dataclass
+class Job:
+    request_id: str
+    seq: Sequence
+    emit: Emit
+
+
 class Scheduler:
-    """A thread that owns the model and steps sequences in turn."""
+    """A thread that owns the model and runs its sequences, batched or one step each in turn."""
 
     EMA = 0.2  # weight of the newest prefill sample in the throughput average
 
-    def __init__(self, name: str = "mlx-fleet-model"):
+    def __init__(self, name: str = "mlx-fleet-model", batching: bool = True, decode_concurrency: int = 32,
+                 prefill_concurrency: int = 8):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._active: dict[str, tuple[Sequence, Emit]] = {}
+        self._jobs: dict[str, Job] = {}
+        self._waiting: deque[Job] = deque()
+        self._prefilling: deque[Job] = deque()
+        self._ready: deque[Job] = deque()  # prefilled, waiting for a batch slot
+        self._by_seq: dict[int, Job] = {}
+        self._batch: DecodeBatch | None = None
+        self.batching = batching
+        self.batching_off_reason = "" if batching else "turned off in the config"
+        self.decode_concurrency = decode_concurrency
+        self.prefill_concurrency = prefill_concurrency
         self._stopping = False
         self.steps = 0
+        self.batched_steps = 0
+        self.batched_rows = 0  # sum over batched steps of the rows in them (mean batch = rows / steps)
         self.prefill_tps: float = 0.0  # moving average of measured prefill throughput (0: not measured yet)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -47,12 +80,26 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        return len(self._jobs)
+
+    def disable_batching(self, reason: str) -> None:
+        """Serve sequentially (call before any request): the model's caches cannot batch."""
+        self.batching = False
+        self.batching_off_reason = reason
 
     def load(self) -> dict:
-        """What is queued on this model thread: sequences and prompt tokens still to prefill."""
-        sequences = list(self._active.values())
-        return {"active": len(sequences), "queued_tokens": sum(seq.pending_prefill for seq, _ in sequences)}
+        """What is on this model thread: sequences by stage, and prompt tokens still to prefill."""
+        jobs = list(self._jobs.values())
+        decoding = sum(1 for j in jobs if j.seq.prefilled and not j.seq.done)
+        return {"active": len(jobs), "queued_tokens": sum(j.seq.pending_prefill for j in jobs),
+                "decoding": decoding, "waiting": sum(1 for j in jobs if not j.seq.begun)}
+
+    def stats(self) -> dict:
+        """How the replica batches (for status)."""
+        return {"batching": self.batching, "reason": self.batching_off_reason or None,
+                "decode_concurrency": self.decode_concurrency, "prefill_concurrency": self.prefill_concurrency,
+                "batched_steps": self.batched_steps,
+                "mean_batch": round(self.batched_rows / self.batched_steps, 2) if self.batched_steps else 0.0}
 
     def submit(self, request_id: str, seq: Sequence, emit: Emit) -> None:
         self._inbox.put(("add", request_id, seq, emit))
@@ -96,28 +143,123 @@ class Scheduler:
         import mlx.core as mx
 
         while not self._stopping:
-            self._drain(block=not self._active)
-            for request_id, (seq, emit) in list(self._active.items()):
-                self._step(request_id, seq, emit)
+            self._drain(block=not self._jobs)
+            if self.batching:
+                self._turn_batched()
+            else:
+                for job in list(self._jobs.values()):
+                    self._step_alone(job)
             self.steps += 1
             if self.steps % 256 == 0:
                 mx.clear_cache()
-        for request_id, (seq, emit) in list(self._active.items()):
-            seq.close()
-            emit([Failed("replica is shutting down", status=503)])
+        for job in list(self._jobs.values()):
+            job.seq.close()
+            job.emit([Failed("replica is shutting down", status=503)])
 
-    def _step(self, request_id: str, seq: Sequence, emit: Emit) -> None:
+    # -- sequential -------------------------------------------------------------
+    def _step_alone(self, job: Job) -> None:
         try:
-            events = seq.step()
-            self._measure(seq)
+            events = job.seq.step()
+            self._measure(job.seq)
         except Exception as e:  # one bad request must not take the replica down
-            log.exception("request %s failed", request_id)
-            seq.close()
-            events = [Failed(f"generation failed: {type(e).__name__}: {e}", status=500)]
+            self._fail(job, e)
+            return
         if events:
-            emit(events)
-        if seq.done:
-            self._active.pop(request_id, None)
+            job.emit(events)
+        if job.seq.done:
+            self._forget(job)
+
+    # -- batched ----------------------------------------------------------------
+    def _turn_batched(self) -> None:
+        if self._batch is None:
+            if not self._jobs:
+                return
+            self._batch = DecodeBatch(next(iter(self._jobs.values())).seq.model)
+        self._admit()
+        self._prefill_round()
+        joiners = []
+        room = self.decode_concurrency - len(self._batch)
+        while self._ready and len(joiners) < room:
+            if self._ready[0].seq.done:
+                self._ready.popleft()
+            elif self._batch.accepts(self._ready[0].seq):
+                joiners.append(self._ready.popleft())
+            else:
+                break
+        if not joiners and not self._batch.rows:
+            return
+        try:
+            results = self._batch.step([j.seq for j in joiners])
+        except Exception as e:  # a failed forward fails its rows, not the replica
+            log.exception("batched decode step failed")
+            for seq in self._batch.fail_all() + [j.seq for j in joiners]:
+                job = self._job_of(seq)
+                if job is not None:
+                    self._fail(job, e)
+            return
+        rows = len(self._batch)
+        if rows:
+            self.batched_steps += 1
+            self.batched_rows += rows
+        for seq, events in results:
+            job = self._job_of(seq)
+            if job is None:
+                continue
+            if events:
+                job.emit(events)
+            if seq.done:
+                self._jobs.pop(job.request_id, None)
+
+    def _admit(self) -> None:
+        running = len(self._prefilling) + len(self._ready) + len(self._batch)
+        while self._waiting and len(self._prefilling) < self.prefill_concurrency and running < self.decode_concurrency:
+            job = self._waiting.popleft()
+            if job.seq.done:
+                continue
+            try:
+                job.seq.begin()
+            except Exception as e:
+                self._fail(job, e)
+                continue
+            running += 1
+            (self._ready if job.seq.prefilled else self._prefilling).append(job)
+
+    def _prefill_round(self) -> None:
+        """About one chunk's worth of prompt tokens, round-robin over the prefilling sequences."""
+        budget = None
+        while self._prefilling:
+            job = self._prefilling[0]
+            if job.seq.done:
+                self._prefilling.popleft()
+                continue
+            budget = job.seq.prefill_step if budget is None else budget
+            if budget <= 0:
+                return
+            try:
+                budget -= job.seq.prefill(budget)
+                self._measure(job.seq)
+            except Exception as e:
+                self._prefilling.popleft()
+                self._fail(job, e)
+                continue
+            self._prefilling.rotate(-1)
+            if job.seq.prefilled:
+                self._prefilling.remove(job)
+                self._ready.append(job)
+
+    def _job_of(self, seq: Sequence):
+        job = self._by_seq.get(id(seq))
+        return job if job is not None and job.seq is seq else None
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        log.exception("request %s failed", job.request_id, exc_info=e)
+        job.seq.close()
+        job.emit([Failed(f"generation failed: {type(e).__name__}: {e}", status=500)])
+        self._forget(job)
+
+    def _forget(self, job: Job) -> None:
+        self._jobs.pop(job.request_id, None)
+        self._by_seq.pop(id(job.seq), None)
 
     def _measure(self, seq: Sequence) -> None:
         if seq.prefill_sample is None:
@@ -136,11 +278,16 @@ class Scheduler:
                 return
             block = False
             if kind == "add":
-                self._active[request_id] = (obj, emit)
+                job = Job(request_id, obj, emit)
+                self._jobs[request_id] = job
+                self._by_seq[id(obj)] = job
+                if self.batching:
+                    self._waiting.append(job)
             elif kind == "cancel":
-                entry = self._active.pop(request_id, None)
-                if entry:
-                    entry[0].close()
+                job = self._jobs.get(request_id)
+                if job is not None:
+                    job.seq.close()  # a batch drops the row at its next step
+                    self._forget(job)
             elif kind == "call":
                 try:
                     obj()

@@ -1,7 +1,10 @@
 """One request's generation, advanced one step at a time.
 
-A step is one prefill chunk or one decode token, so a scheduler can interleave
-many sequences on one model without any of them waiting for another to finish.
+Alone, a step is one prefill chunk or one decode token, so a scheduler can
+interleave many sequences on one model without any of them waiting for another
+to finish. In a decode batch (batch.py) the sequence only prefills itself; the
+batch runs its decode forwards with everyone else's and hands each token back
+through `accept`, which does what a solo step does with it.
 The KV cache comes from a `CacheSession`: cold (fresh mlx-lm caches) or
 restored from blocks; the session also sees the cache after every forward so it
 can capture new blocks before a sliding window rotates them out.
@@ -53,8 +56,8 @@ class CacheSession(Protocol):
     def observe(self, cache: list, fed: list[int]) -> None:
         """Called after every forward; `fed` are the tokens now in the cache."""
 
-    def close(self, cache: list, fed: list[int], completed: bool) -> None:
-        """The sequence is over (finished, failed or cancelled)."""
+    def close(self, cache: Optional[list], fed: list[int], completed: bool) -> None:
+        """The sequence is over (finished, failed or cancelled); `cache` is None if a batch held it."""
 
 
 class Sequence:
@@ -79,43 +82,67 @@ class Sequence:
         self.logits: list[mx.array] = []
         self.cached_tokens = 0
         self.prefill_sample: Optional[tuple[int, float]] = None  # (tokens, seconds) of the last prefill chunk
+        self.begun = False
         self.done = False
         self._next: Optional[mx.array] = None
         self._t0 = time.perf_counter()
         self._t_first: Optional[float] = None
 
     # -- stepping ---------------------------------------------------------
+    def begin(self) -> None:
+        """Restore the cached prefix (model thread): the first thing a sequence does."""
+        model_thread.check("Sequence.begin")
+        self.sampler = Sampler(self.params.sampling)
+        self.cache, self.cached_tokens = self.session.restore()
+        self.fed = self.prompt[: self.cached_tokens]
+        self.begun = True
+
+    @property
+    def prefilled(self) -> bool:
+        """Every prompt token but the last is in the cache: the next forward yields the first token."""
+        return self.begun and len(self.fed) >= len(self.prompt) - 1
+
+    def prefill(self, step: int) -> int:
+        """Feed the next prefill chunk of about `step` tokens (cut at block ends); return its length."""
+        model_thread.check("Sequence.prefill")
+        end = self.session.next_stop(len(self.fed), len(self.prompt) - 1, step)
+        chunk = self.prompt[len(self.fed): end]
+        t0 = time.perf_counter()
+        self.model(mx.array(chunk)[None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.prefill_sample = (len(chunk), time.perf_counter() - t0)
+        self.fed.extend(chunk)
+        self.session.observe(self.cache, self.fed)
+        return len(chunk)
+
     def step(self) -> list[Event]:
-        """Advance by one prefill chunk or one token; return the events it produced."""
+        """Advance alone by one prefill chunk or one token; return the events it produced."""
         model_thread.check("Sequence.step")
-        if self.cache is None:
-            self.sampler = Sampler(self.params.sampling)
-            self.cache, self.cached_tokens = self.session.restore()
-            self.fed = self.prompt[: self.cached_tokens]
-        last = len(self.prompt) - 1
-        if len(self.fed) < last:
-            end = self.session.next_stop(len(self.fed), last, self.prefill_step)
-            chunk = self.prompt[len(self.fed): end]
-            t0 = time.perf_counter()
-            self.model(mx.array(chunk)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.prefill_sample = (len(chunk), time.perf_counter() - t0)
-            self.fed.extend(chunk)
-            self.session.observe(self.cache, self.fed)
+        if not self.begun:
+            self.begin()
+        if not self.prefilled:
+            self.prefill(self.prefill_step)
             return []
         if self._next is None:
             self._next = self._forward(self.prompt[-1])
-            events = self._decode()
-            self._t_first = time.perf_counter()
-            fetched, peer = getattr(self.session, "fetched", (0, None))
-            return [Started(cached_tokens=self.cached_tokens, prompt_tokens=len(self.prompt),
-                            fetched_tokens=fetched, fetched_from=peer)] + events
-        return self._decode()
+        y = self._next
+        nxt = self._forward(y) if self.room_after_next else None
+        token = int(y.item())
+        if nxt is not None:
+            self.fed[-1] = token
+        self.session.observe(self.cache, self.fed)
+        self._next = nxt
+        return self.accept(token)
+
+    @property
+    def room_after_next(self) -> bool:
+        """Whether the token about to be read is not the last one allowed (so it is fed back)."""
+        return len(self.generated) + 1 < self.params.max_tokens
 
     @property
     def pending_prefill(self) -> int:
         """Prompt tokens not yet in the cache (all of them before the restore)."""
-        return len(self.prompt) - (len(self.fed) if self.cache is not None else 0)
+        return len(self.prompt) - (len(self.fed) if self.begun else 0)
 
     def _forward(self, token) -> mx.array:
         """Feed one token (int or lazy [1] array); return the lazily sampled next token."""
@@ -128,26 +155,24 @@ class Sequence:
         self.fed.append(token if isinstance(token, int) else -1)  # fixed up once read back
         return y
 
-    def _decode(self) -> list[Event]:
-        y = self._next
-        n = len(self.generated) + 1
-        room = n < self.params.max_tokens
-        nxt = self._forward(y) if room else None
-        token = int(y.item())
-        if nxt is not None:
-            self.fed[-1] = token
-        self.session.observe(self.cache, self.fed)
+    def accept(self, token: int) -> list[Event]:
+        """The next generated token has been read back: the events it makes (Started first)."""
+        events: list[Event] = []
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+            fetched, peer = getattr(self.session, "fetched", (0, None))
+            events.append(Started(cached_tokens=self.cached_tokens, prompt_tokens=len(self.prompt),
+                                  fetched_tokens=fetched, fetched_from=peer))
         self.generated.append(token)
-        self._next = nxt
         if token in self.eos:
-            return self._finish("stop", Delta(self.stops.feed(self._final_text()), (token,)))
+            return events + self._finish("stop", Delta(self.stops.feed(self._final_text()), (token,)))
         self.detok.add_token(token)
         text = self.stops.feed(self.detok.last_segment)
         if self.stops.stopped:
-            return self._finish("stop", Delta(text, (token,)))
-        if not room:
-            return self._finish("length", Delta(text + self.stops.feed(self._final_text()), (token,)))
-        return [Delta(text, (token,))]
+            return events + self._finish("stop", Delta(text, (token,)))
+        if len(self.generated) >= self.params.max_tokens:
+            return events + self._finish("length", Delta(text + self.stops.feed(self._final_text()), (token,)))
+        return events + [Delta(text, (token,))]
 
     def _final_text(self) -> str:
         self.detok.finalize()
@@ -157,7 +182,6 @@ class Sequence:
         tail = self.stops.flush()
         if tail:
             delta = Delta(delta.text + tail, delta.token_ids)
-        self.done = True
         self.close(completed=True)
         now = time.perf_counter()
         timings = {
@@ -167,8 +191,10 @@ class Sequence:
         return [delta, Finished(reason, len(self.prompt), len(self.generated), self.cached_tokens, timings)]
 
     def close(self, completed: bool = False) -> None:
-        """Hand the cache back to the session once (finish, failure or cancel)."""
-        if self.cache is not None:
+        """Hand the cache back to the session once (finish, failure or cancel).
+
+        The cache is None while a decode batch holds this sequence's rows."""
+        if self.begun and not self.done:
             fed = [t for t in self.fed if t >= 0]
             cache, self.cache = self.cache, None
             self.session.close(cache, fed, completed)

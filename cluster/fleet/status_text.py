@@ -19,6 +19,7 @@ def render(status: dict) -> str:
         lines.append(f"  {r['model']:<20} on {r['node_id']:<22} active={r.get('active', 0):<3} "
                      f"requests={r.get('requests', 0):<6} prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
                      f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)}")
+        lines.append("      " + _batch_line(r))
         lines.append("      " + _cache_line(r.get("cache", {})))
     fleet = status.get("fleet") or {}
     if fleet:
@@ -42,6 +43,16 @@ def _redis_line(redis: dict) -> str:
     state = "reachable" if redis.get("reachable") else f"UNREACHABLE ({redis.get('error') or '-'})"
     restarts = f", restarted {redis['restarts']} time(s) by the supervisor" if redis.get("supervised") else ""
     return f"redis:     {redis.get('url') or '-'} {state}{restarts}"
+
+
+def _batch_line(r: dict) -> str:
+    b = r.get("batching") or {}
+    stages = (f"decoding {r.get('decoding', 0)}, waiting {r.get('waiting', 0)}, "
+              f"{r.get('queued_tokens', 0)} prompt tokens to prefill")
+    if not b.get("batching"):
+        return f"batching: off ({b.get('reason') or '-'}); {stages}"
+    return (f"batching: up to {b['decode_concurrency']} decoding, {b['prefill_concurrency']} prefilling, "
+            f"mean batch {b['mean_batch']} over {b['batched_steps']} steps; {stages}")
 
 
 def _cache_line(cache: dict) -> str:

@@ -1,0 +1,118 @@
+"""Continuous batching against sequences run alone, on every built-in model.
+
+The contract: a greedy request gives the same tokens in a batch as alone, and
+logits within the dtype's tolerance; a seeded sampled one the same tokens; a
+cancelled one frees its row and leaves the others exact; caches that cannot
+batch are served one step at a time, with the reason stated.
+"""
+
+import mlx.core as mx
+import pytest
+
+from cluster.engine.batch import batchable
+from cluster.engine.cold_session import ColdSession
+from cluster.engine.events import Failed, Finished, Started
+from cluster.engine.request import GenerationParams, SamplingParams
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.sequence import Sequence
+from cluster.models.catalog import BUILTINS
+from tests.engine.batching import Collector, run_alone, serve_all, tokens
+
+TOLERANCE = {mx.float32: 1e-3, mx.float16: 5e-2, mx.bfloat16: 0.25}
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [3 + (i * 7919 + salt * 104729) % 1021 for i in range(n)]
+
+
+# Lengths that make rows join and leave at different steps; one prompt of a single token
+# (nothing to prefill: it joins with an empty cache), one past gemma's 64-token window.
+PROMPTS = [prompt_of(n, salt) for salt, n in enumerate([40, 130, 77, 1, 200])]
+MAX_TOKENS = [10, 15, 20, 25, 12]
+
+
+def seq(model, tok, prompt, max_tokens, **params) -> Sequence:
+    return Sequence(prompt, GenerationParams(max_tokens=max_tokens, record_logits=True, **params), model, tok,
+                    ColdSession(model), prefill_step=32)
+
+
+@pytest.fixture
+def scheduler():
+    s = Scheduler(name="mlx-fleet-test", batching=True, decode_concurrency=8, prefill_concurrency=2)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in BUILTINS if n.startswith("tiny-")))
+def test_a_batch_gives_each_request_its_solo_tokens(load_builtin, scheduler, name):
+    model, tok = scheduler.run(lambda: load_builtin(name))
+    alone = scheduler.run(lambda: [seq(model, tok, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)])
+    solo = scheduler.run(lambda: [run_alone(s) for s in alone])
+    batched = [seq(model, tok, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    events = serve_all(scheduler, batched)
+    assert [tokens(e) for e in events] == [tokens(e) for e in solo]
+    for e, s in zip(events, batched):
+        assert isinstance(e[0], Started) and isinstance(e[-1], Finished)
+        assert (e[-1].finish_reason, e[-1].completion_tokens) == ("length", s.params.max_tokens)
+    gaps = scheduler.run(lambda: [(mx.abs(mx.stack(b.logits) - mx.stack(a.logits)).max().item(), a.logits[0].dtype)
+                                  for a, b in zip(alone, batched)])
+    assert all(gap <= TOLERANCE[dtype] for gap, dtype in gaps), gaps
+    stats = scheduler.stats()
+    assert stats["batching"] and stats["batched_steps"] > 0 and stats["mean_batch"] > 1
+    assert scheduler.load() == {"active": 0, "queued_tokens": 0, "decoding": 0, "waiting": 0}
+
+
+def test_sampled_rows_keep_their_own_seeded_stream(load_builtin, scheduler):
+    model, tok = scheduler.run(lambda: load_builtin("tiny-dense"))
+    sampled = dict(sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=11))
+    solo = scheduler.run(lambda: run_alone(seq(model, tok, PROMPTS[2], 20, **sampled)))
+    events = serve_all(scheduler, [seq(model, tok, PROMPTS[0], 20), seq(model, tok, PROMPTS[2], 20, **sampled),
+                                   seq(model, tok, PROMPTS[1], 20)])
+    assert tokens(events[1]) == tokens(solo)
+
+
+def test_a_cancelled_row_frees_its_slot_and_the_others_stay_exact(load_builtin, scheduler):
+    model, tok = scheduler.run(lambda: load_builtin("tiny-swa"))
+    solo = scheduler.run(lambda: [tokens(run_alone(seq(model, tok, p, 40))) for p in PROMPTS[:3]])
+    got = Collector()
+    for i, p in enumerate(PROMPTS[:3]):
+        scheduler.submit(str(i), seq(model, tok, p, 40), got.emit_for(str(i)))
+    got.wait_tokens("1", 5)
+    scheduler.cancel("1")
+    got.wait(["0", "2"])
+    assert [tokens(got.events["0"]), tokens(got.events["2"])] == [solo[0], solo[2]]
+    assert not got.ended("1") and len(tokens(got.events["1"])) < 40
+    assert scheduler.run(lambda: (scheduler.load()["active"], len(scheduler._batch))) == (0, 0)
+
+
+def test_a_request_after_a_batch_drained_starts_a_new_one(load_builtin, scheduler):
+    model, tok = scheduler.run(lambda: load_builtin("tiny-hybrid"))
+    first = serve_all(scheduler, [seq(model, tok, PROMPTS[0], 6)])
+    second = serve_all(scheduler, [seq(model, tok, PROMPTS[0], 6), seq(model, tok, PROMPTS[2], 4)])
+    assert tokens(second[0]) == tokens(first[0])
+    assert [e[-1].completion_tokens for e in second] == [6, 4]
+
+
+def test_quantized_caches_cannot_batch_and_are_served_in_turns(load_builtin, data_dir, tmp_path):
+    from cluster.config import CacheConfig
+    from cluster.kvcache.setup import setup_cache
+    from cluster.models.resolve import resolve_model
+
+    model, tok = load_builtin("tiny-dense")
+    pc = setup_cache(model, tok, resolve_model("tiny-dense", data_dir), CacheConfig(kv_codec="q8"), tmp_path).cache
+    ok, why = batchable(pc.new_caches())
+    assert not ok and why.startswith("QuantizedKVCache has no batched form")
+    assert batchable(ColdSession(model).restore()[0]) == (True, "")
+    scheduler = Scheduler(name="mlx-fleet-test")
+    scheduler.disable_batching(why)
+    try:
+        def quantized(p):
+            return Sequence(p, GenerationParams(max_tokens=8), model, tok, ColdSession(model, pc.new_caches), 32)
+        solo = scheduler.run(lambda: [tokens(run_alone(quantized(p))) for p in PROMPTS[:3]])
+        events = serve_all(scheduler, [quantized(p) for p in PROMPTS[:3]])
+        assert [tokens(e) for e in events] == solo
+        assert not any(isinstance(x, Failed) for e in events for x in e)
+        assert scheduler.stats()["batching"] is False and scheduler.stats()["reason"] == why
+        assert scheduler.stats()["batched_steps"] == 0
+    finally:
+        scheduler.stop()
