@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     _data_dir(models)
 
     bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
-    bench.add_argument("name", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate")
+    bench.add_argument("name", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
     # Listed here for the help; its arguments are its own (loadtest/run.py), see main().

@@ -26,6 +26,7 @@ def load_builtin(data_dir):
     """load_builtin(name) -> (model, tokenizer), loaded once per session."""
     from mlx_lm import load
 
+    from cluster.engine.model_thread import warm
     from cluster.models.resolve import resolve_model
 
     loaded = {}
@@ -33,27 +34,10 @@ def load_builtin(data_dir):
     def _load(name: str):
         if name not in loaded:
             loaded[name] = load(str(resolve_model(name, data_dir)))
-            _warm(loaded[name][0])
+            warm(loaded[name][0])  # tests hand models to Schedulers' threads
         return loaded[name]
 
     return _load
-
-
-def _warm(model) -> None:
-    """A prefill and a decode step on the loading thread.
-
-    Since mlx 0.31.2 streams are per thread, and some models (gemma4) leave
-    arrays lazy after `load` until their first decode step: evaluated first on
-    another thread they fail with "There is no Stream(cpu, 0) in current
-    thread". A replica loads and runs on its one model thread; tests share one
-    loaded model between threads (batching tests run it on a Scheduler's
-    thread), so each model is warmed where it was loaded."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([[5, 6, 7]]), cache=cache))
-    mx.eval(model(mx.array([[8]]), cache=cache))
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,10 @@ For every node with a replica of the model, from one index lookup:
 where the prefix it can restore is what it holds itself (RAM or disk), or
 what the best live peer holds on disk and it would pull first. Load counts
 sequences on the replica (its lease, at most a couple of seconds old) and this
-gateway's own requests in flight to it (exact, immediate). The interleaving
-scheduler shares the model thread between sequences, hence the (1 + load).
+gateway's own requests in flight to it (exact, immediate). A replica's
+prompts prefill in turns, between its batch's decode steps, so each sequence
+on it slows a new prefill: hence the (1 + load). That is conservative for
+sequences that are only decoding, which batching makes cheap.
 
 Bounded load, so affinity degrades smoothly instead of switching off: with
 total load T over N nodes, a node takes a request only while its load + 1 is

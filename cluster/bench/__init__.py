@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "routing": "cluster.bench.routing",
     "migrate": "cluster.bench.migrate",
     "turboquant": "cluster.bench.turboquant",
+    "batch": "cluster.bench.batch",
 }
 
 

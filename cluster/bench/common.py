@@ -35,8 +35,11 @@ def load(name: str, data_dir: Path):
 
     from cluster.models.resolve import resolve_model
 
+    from cluster.engine.model_thread import warm
+
     path = resolve_model(name, data_dir)
     model, tok = mlx_load(str(path))
+    warm(model)  # benchmarks hand it to Schedulers' threads
     return model, tok, path
 
 

@@ -83,3 +83,20 @@ def _install() -> None:
             guarded.__wrapped__ = original
             setattr(mx, name, guarded)
         _installed = True
+
+
+def warm(model) -> None:
+    """Run a short prefill and one decode step on the calling thread.
+
+    Some models (gemma4 in mlx-lm 0.32) leave arrays lazy after `load` until
+    their first decode step; streams being per thread, such an array evaluated
+    first on another thread fails with "There is no Stream(cpu, 0) in current
+    thread". A replica loads and runs on its one model thread and needs none of
+    this; a process that loads a model on one thread and hands it to a
+    Scheduler (benchmarks, tests) warms it where it was loaded."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5, 6, 7]]), cache=cache))
+    mx.eval(model(mx.array([[8]]), cache=cache))

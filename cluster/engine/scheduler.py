@@ -32,7 +32,7 @@ from typing import Callable, TypeVar
 
 from cluster.engine import model_thread
 from cluster.engine.batch import DecodeBatch
-from cluster.engine.events import Event, Failed
+from cluster.engine.events import TERMINAL, Event, Failed
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,29 @@ class Scheduler:
     def submit(self, request_id: str, seq: Sequence, emit: Emit) -> None:
         self._inbox.put(("add", request_id, seq, emit))
 
+    def run_all(self, seqs: list[Sequence], timeout_s: float | None = None) -> list[list[Event]]:
+        """Submit `seqs` at once and wait until every one has ended; each one's events, in order.
+
+        For benchmarks and tests; a replica streams each request's events as they come."""
+        cond = threading.Condition()
+        events: list[list[Event]] = [[] for _ in seqs]
+        ended = [False] * len(seqs)
+
+        def emit_for(i: int) -> Emit:
+            def emit(batch: list[Event]) -> None:
+                with cond:
+                    events[i].extend(batch)
+                    ended[i] = ended[i] or any(isinstance(e, TERMINAL) for e in batch)
+                    cond.notify_all()
+            return emit
+
+        for i, seq in enumerate(seqs):
+            self.submit(f"run-all-{id(seq)}", seq, emit_for(i))
+        with cond:
+            if not cond.wait_for(lambda: all(ended), timeout_s):
+                raise TimeoutError(f"{ended.count(False)} of {len(seqs)} sequences still running after {timeout_s} s")
+        return events
+
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None, None))
 
@@ -164,10 +187,10 @@ class Scheduler:
         except Exception as e:  # one bad request must not take the replica down
             self._fail(job, e)
             return
+        if job.seq.done:  # before the last events go out: whoever sees them sees the load without it
+            self._forget(job)
         if events:
             job.emit(events)
-        if job.seq.done:
-            self._forget(job)
 
     # -- batched ----------------------------------------------------------------
     def _turn_batched(self) -> None:
@@ -205,10 +228,10 @@ class Scheduler:
             job = self._job_of(seq)
             if job is None:
                 continue
+            if seq.done:
+                self._forget(job)
             if events:
                 job.emit(events)
-            if seq.done:
-                self._jobs.pop(job.request_id, None)
 
     def _admit(self) -> None:
         running = len(self._prefilling) + len(self._ready) + len(self._batch)

@@ -142,7 +142,7 @@ class Sequence:
     @property
     def pending_prefill(self) -> int:
         """Prompt tokens not yet in the cache (all of them before the restore)."""
-        return len(self.prompt) - (len(self.fed) if self.begun else 0)
+        return max(0, len(self.prompt) - (len(self.fed) if self.begun else 0))
 
     def _forward(self, token) -> mx.array:
         """Feed one token (int or lazy [1] array); return the lazily sampled next token."""

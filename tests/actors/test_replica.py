@@ -119,3 +119,39 @@ def test_a_stalled_node_store_does_not_delay_a_decoding_sequence(app):
     during = [t for t in arrivals if t0 <= t <= t1]
     gaps = [y - x for x, y in zip(during, during[1:])]
     assert len(during) > 50 and max(gaps) < 1.0, f"decode stalled: {len(during)} tokens, max gap {max(gaps):.2f}s"
+
+
+async def concurrently(replica, reqs) -> list[list]:
+    return await asyncio.gather(*(collect(replica, r) for r in reqs))
+
+
+PROMPTS = [tuple(range(3 + i, 60 + 9 * i)) for i in range(4)]
+
+
+def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(app):
+    replica = ModelReplica(app.models[0], app)
+    try:
+        alone = [tokens(asyncio.run(collect(replica, request(f"a{i}", p, 12)))) for i, p in enumerate(PROMPTS)]
+        together = asyncio.run(concurrently(replica, [request(f"b{i}", p, 12) for i, p in enumerate(PROMPTS)]))
+        assert [tokens(e) for e in together] == alone
+        stats = replica.stats()
+        assert stats["batching"]["batching"] and stats["batching"]["mean_batch"] > 1
+        assert stats["batching"]["decode_concurrency"] == app.models[0].max_ongoing_requests
+        assert {k: stats[k] for k in ("active", "queued_tokens", "decoding", "waiting")} == \
+            {"active": 0, "queued_tokens": 0, "decoding": 0, "waiting": 0}
+    finally:
+        replica.__del__()
+
+
+def test_a_model_whose_caches_cannot_batch_is_served_in_turns_and_says_why(app):
+    app = app.model_copy(update={"cache": app.cache.model_copy(update={"kv_codec": "q8"})})
+    replica = ModelReplica(app.models[0], app)
+    try:
+        alone = [tokens(asyncio.run(collect(replica, request(f"a{i}", p, 8)))) for i, p in enumerate(PROMPTS)]
+        together = asyncio.run(concurrently(replica, [request(f"b{i}", p, 8) for i, p in enumerate(PROMPTS)]))
+        assert [tokens(e) for e in together] == alone
+        batching = replica.stats()["batching"]
+        assert batching["batching"] is False and batching["batched_steps"] == 0
+        assert batching["reason"].startswith("QuantizedKVCache has no batched form")
+    finally:
+        replica.__del__()

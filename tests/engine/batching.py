@@ -56,9 +56,4 @@ class Collector:
 
 def serve_all(scheduler: Scheduler, seqs: list[Sequence], timeout: float = 120.0) -> list[list]:
     """Submit every sequence at once; return each one's events once all have ended."""
-    got = Collector()
-    ids = [str(i) for i in range(len(seqs))]
-    for i, seq in zip(ids, seqs):
-        scheduler.submit(i, seq, got.emit_for(i))
-    got.wait(ids, timeout)
-    return [got.events[i] for i in ids]
+    return scheduler.run_all(seqs, timeout)
