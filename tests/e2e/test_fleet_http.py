@@ -206,6 +206,8 @@ def test_status_lists_nodes_replicas_and_models(fleet, http):
     assert http.get("/v1/fleet/status").json()["models"] == status["models"]
     text = fleet.cli("status").stdout
     assert ids[0] in text and ids[1] in text and MODEL in text and "cache " in text
+    assert text.count("batching: up to 16 decoding, 8 prefilling") == 4  # every replica batches
+    assert all(r["batching"]["batching"] and r["batching"]["decode_concurrency"] == 16 for r in status["replicas"])
 
 
 def test_no_live_replica_is_503_with_retry_after(fleet, http):
