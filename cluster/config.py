@@ -98,7 +98,7 @@ class ModelSpec(_Config):
         None, ge=1, le=1024, description="Sequences one replica decodes in one batch; more wait, holding only their fetched blocks. Default: max_ongoing_requests.",
     )
     prefill_concurrency: int = Field(
-        8, ge=1, le=1024, description="Sequences one replica prefills at once (block-aligned chunks, round-robin, about prefill_step_tokens per decode step).",
+        8, ge=1, le=1024, description="Prompts one replica has in prefill at once: restored, then prefilled oldest first in block-aligned chunks, about prefill_step_tokens per decode step.",
     )
 
     @field_validator("name")

@@ -30,7 +30,7 @@ import logging
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from cluster.engine import model_thread
 from cluster.engine.events import Event, Failed
@@ -83,6 +83,14 @@ def row_cache(cache, row: int):
             view.values = cache.values[row:row + 1, :, pad:cache._idx]
             view.offset = cache._idx - pad
         return view
+    if isinstance(cache, ArraysCache):
+        # A row of recurrent state is kept as a checkpoint past this step: copy it out (x * 1 is exact
+        # for every float, -0 and NaN included) and evaluate it, or the slice would keep the whole
+        # batch's state of this step alive with it.
+        state = ArraysCache(len(cache.cache))
+        state.cache = [None if c is None else mx.contiguous(c[row:row + 1]) * 1 for c in cache.cache]
+        mx.eval([c for c in state.cache if c is not None])
+        return state
     return cache.extract(row)
 
 
@@ -95,6 +103,7 @@ class DecodeBatch:
         self.caches: Optional[list] = None
         self._y: Optional[mx.array] = None  # each row's sampled next token, not read back yet
         self._kinds: Optional[tuple] = None  # per-sequence cache classes of the rows
+        self._in_flight: list[Sequence] = []
 
     def __len__(self) -> int:
         return sum(1 for s in self.rows if not s.done)
@@ -107,8 +116,12 @@ class DecodeBatch:
         """One forward for every row still going plus the `joiners`; the tokens of the previous one."""
         model_thread.check("DecodeBatch.step")
         old_rows, old_y = self.rows, self._y
+        self._in_flight = old_rows + joiners  # until read back: what fail_all must fail
         keep = [i for i, s in enumerate(old_rows) if not s.done and s.room_after_next]
         if len(keep) < len(old_rows):
+            for i, s in enumerate(old_rows):
+                if not s.done and i not in keep:  # its last token is pending: no forward, but the session
+                    s.session.observe(RowCaches(self.caches, i), s.fed)  # sees its cache once more, as alone
             self._filter(keep)
         rows = [old_rows[i] for i in keep]
         inputs = []
@@ -128,13 +141,24 @@ class DecodeBatch:
                 s.fed.append(s.prompt[-1])
         else:
             self.caches = self._kinds = None
-        return self._read(old_rows, old_y, {i: r for r, i in enumerate(keep)})
+        results = self._read(old_rows, old_y, {i: r for r, i in enumerate(keep)})
+        self._in_flight = []
+        return results
 
     def fail_all(self) -> list[Sequence]:
-        """Drop every row (after a failed forward); return the sequences that were still going."""
-        live = [s for s in self.rows if not s.done]
-        self.rows, self.caches, self._y, self._kinds = [], None, None, None
+        """Drop every row (after a failed step); return the sequences that were still going, including
+        the step's joiners and the rows that were leaving with their last token unread."""
+        seen, live = set(), []
+        for s in self._in_flight + self.rows:
+            if not s.done and id(s) not in seen:
+                seen.add(id(s))
+                live.append(s)
+        self.clear()
         return live
+
+    def clear(self) -> None:
+        """Forget every row and free the batched caches."""
+        self.rows, self.caches, self._y, self._kinds, self._in_flight = [], None, None, None, []
 
     # -----------------------------------------------------------------------
     def _filter(self, keep: list[int]) -> None:
@@ -186,7 +210,11 @@ class DecodeBatch:
                 events = s.accept(token)
             except Exception as e:  # one bad request must not take the others down
                 log.exception("a batched sequence failed")
-                s.close()
+                try:
+                    s.close()
+                except Exception:
+                    log.exception("closing a failed sequence failed")
+                    s.done = True
                 events = [Failed(f"generation failed: {type(e).__name__}: {e}", status=500)]
             out.append((s, events))
         return out

@@ -11,9 +11,9 @@ each turn of the loop:
 1. admits waiting sequences while fewer than `prefill_concurrency` are
    prefilling and fewer than `decode_concurrency` run in all (the rest wait,
    holding only their fetched blocks);
-2. prefills about one chunk's worth of prompt tokens, block-aligned chunks
-   taken round-robin from the prefilling sequences, so a long prompt delays
-   the decoding ones by one chunk at most;
+2. prefills about one chunk's worth of prompt tokens, in block-aligned
+   chunks, oldest prompt first, so a long prompt delays the decoding ones by
+   one chunk at most;
 3. runs one decode step for the whole batch, which prefilled sequences join.
 
 Sequential (`batching=False`, or caches that cannot batch): every active
@@ -215,7 +215,7 @@ class Scheduler:
             results = self._batch.step([j.seq for j in joiners])
         except Exception as e:  # a failed forward fails its rows, not the replica
             log.exception("batched decode step failed")
-            for seq in self._batch.fail_all() + [j.seq for j in joiners]:
+            for seq in self._batch.fail_all():  # every row still going, joiners and leavers included
                 job = self._job_of(seq)
                 if job is not None:
                     self._fail(job, e)
@@ -232,6 +232,8 @@ class Scheduler:
                 self._forget(job)
             if events:
                 job.emit(events)
+        if not len(self._batch):
+            self._batch.clear()  # nothing live (the last rows stopped or were cancelled): free the batched caches
 
     def _admit(self) -> None:
         running = len(self._prefilling) + len(self._ready) + len(self._batch)
@@ -248,7 +250,11 @@ class Scheduler:
             (self._ready if job.seq.prefilled else self._prefilling).append(job)
 
     def _prefill_round(self) -> None:
-        """About one chunk's worth of prompt tokens, round-robin over the prefilling sequences."""
+        """About one chunk's worth of prompt tokens, first come first served.
+
+        The oldest prompt prefills until it is done; what is left of the budget goes to
+        the next. Taking turns instead would make every prompt of a burst wait for all of
+        them; in order, the first answers after its own prefill alone."""
         budget = None
         while self._prefilling:
             job = self._prefilling[0]
@@ -265,18 +271,19 @@ class Scheduler:
                 self._prefilling.popleft()
                 self._fail(job, e)
                 continue
-            self._prefilling.rotate(-1)
             if job.seq.prefilled:
-                self._prefilling.remove(job)
-                self._ready.append(job)
+                self._ready.append(self._prefilling.popleft())
 
     def _job_of(self, seq: Sequence):
         job = self._by_seq.get(id(seq))
         return job if job is not None and job.seq is seq else None
 
     def _fail(self, job: Job, e: Exception) -> None:
-        log.exception("request %s failed", job.request_id, exc_info=e)
-        job.seq.close()
+        log.error("request %s failed", job.request_id, exc_info=e)
+        try:
+            job.seq.close()
+        except Exception:  # the request fails either way; the model thread must not
+            log.exception("closing request %s failed", job.request_id)
         job.emit([Failed(f"generation failed: {type(e).__name__}: {e}", status=500)])
         self._forget(job)
 

@@ -6,6 +6,8 @@ cancelled one frees its row and leaves the others exact; caches that cannot
 batch are served one step at a time, with the reason stated.
 """
 
+import time
+
 import mlx.core as mx
 import pytest
 
@@ -116,3 +118,51 @@ def test_quantized_caches_cannot_batch_and_are_served_in_turns(load_builtin, dat
         assert scheduler.stats()["batched_steps"] == 0
     finally:
         scheduler.stop()
+
+
+class FailingForward:
+    """The model, except that its `fail_at`-th batched decode forward raises (a fault: a Metal
+    allocation failing mid-batch cannot be provoked on demand)."""
+
+    def __init__(self, model, fail_at: int):
+        self.model, self.fail_at, self.calls = model, fail_at, 0
+
+    def __call__(self, inputs, cache=None):
+        if inputs.shape[0] > 1 and inputs.shape[1] == 1:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise RuntimeError("injected: the batched forward failed")
+        return self.model(inputs, cache=cache)
+
+
+def test_a_failed_batch_step_fails_every_row_it_held_and_the_replica_serves_on(load_builtin, scheduler):
+    model, tok = scheduler.run(lambda: load_builtin("tiny-dense"))
+    failing = FailingForward(model, fail_at=3)
+    got = Collector()
+    # Three short prompts prefill in one turn and join together. At the third batched forward the
+    # first row (max_tokens 2) is leaving with its last token still unread: it must fail too.
+    for i, n in enumerate([2, 3, 20]):
+        scheduler.submit(str(i), Sequence(prompt_of(20, i), GenerationParams(max_tokens=n), failing, tok,
+                                          ColdSession(model), 512), got.emit_for(str(i)))
+    got.wait(["0", "1", "2"], 60)
+    assert [type(got.events[i][-1]).__name__ for i in "012"] == ["Failed", "Failed", "Failed"]
+    assert all("injected" in got.events[i][-1].message for i in "012")
+    assert scheduler.run(lambda: (scheduler.load()["active"], scheduler._batch.caches)) == (0, None)
+    solo = scheduler.run(lambda: tokens(run_alone(seq(model, tok, PROMPTS[0], 6))))
+    assert tokens(serve_all(scheduler, [seq(model, tok, PROMPTS[0], 6)])[0]) == solo
+
+
+def test_the_batch_frees_its_caches_when_its_last_rows_stop(load_builtin, scheduler):
+    model, tok = scheduler.run(lambda: load_builtin("tiny-swa"))
+    got = Collector()
+    for i in "01":
+        scheduler.submit(i, seq(model, tok, PROMPTS[int(i)], 200), got.emit_for(i))
+    got.wait_tokens("0", 3)
+    got.wait_tokens("1", 3)
+    scheduler.cancel("0")
+    scheduler.cancel("1")
+    deadline = time.monotonic() + 10
+    while scheduler.run(lambda: scheduler._batch.caches) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.run(lambda: (scheduler._batch.caches, scheduler._batch.rows, scheduler.load()["active"])) == \
+        (None, [], 0)
