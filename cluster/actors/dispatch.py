@@ -160,15 +160,19 @@ class Dispatcher:
         except BaseException:
             run.cancel()
             raise
+        last = run.buffered[-1] if run.buffered else None
+        if isinstance(last, Failed) and 400 <= last.status < 500:  # the replica refused what was asked of it
+            run.cancel()
+            raise APIError(last.status, last.message, type="invalid_request_error", param=last.param)
         return run
 
-    async def complete(self, served: ServedModel, request: GenerateRequest) -> tuple[Run, str, Finished]:
+    async def complete(self, served: ServedModel, request: GenerateRequest) -> tuple[Run, Delta, Finished]:
         """Run to the end for a non-streaming reply; a replica lost midway means a fresh attempt."""
         for attempt in range(ATTEMPTS):
             run = await self.start(served, request)
             try:
-                text, done = await _gather(run)
-                return run, text, done
+                whole, done = await _gather(run)
+                return run, whole, done
             except _REPLICA_LOST as e:
                 log.warning("replica lost during %s (attempt %d): %s", request.request_id, attempt + 1, e)
             finally:
@@ -176,13 +180,16 @@ class Dispatcher:
         raise unavailable(f"replicas of '{served.name}' kept failing; retry shortly", self.config.gateway.retry_after_s)
 
 
-async def _gather(run: Run) -> tuple[str, Finished]:
-    parts: list[str] = []
+async def _gather(run: Run) -> tuple[Delta, Finished]:
+    """The whole reply as one Delta (text, tokens, logprobs, tool calls) and its end."""
+    parts: list[Delta] = []
     async for event in run.events():
         if isinstance(event, Delta):
-            parts.append(event.text)
+            parts.append(event)
         elif isinstance(event, Finished):
-            return "".join(parts), event
+            return Delta("".join(d.text for d in parts), tuple(t for d in parts for t in d.token_ids),
+                         tuple(p for d in parts for p in d.logprobs),
+                         tuple(c for d in parts for c in d.tool_calls)), event
         elif isinstance(event, Failed):
             raise APIError(event.status, event.message, type="server_error", code="generation_failed")
     raise RayActorError()  # the stream ended without a verdict: treat as a lost replica

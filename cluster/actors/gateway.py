@@ -127,7 +127,7 @@ class Gateway:
     async def chat(self, body: ChatCompletionRequest, http: Request):
         served = self.dispatch.model(body.model)
         prompt = await served.chat_prompt(body)
-        reply = Reply(served.name, chat=True, include_usage=body.include_usage())
+        reply = Reply(served.name, chat=True, include_usage=body.include_usage(), token_text=served.token_text)
         return await self._respond(served, body, prompt, reply, use_cache=use_cache(http.headers))
 
     @app.post("/v1/completions")
@@ -135,7 +135,8 @@ class Gateway:
         served = self.dispatch.model(body.model)
         prompt = await served.text_prompt(body)
         echo = await served.decode(prompt) if body.echo else ""
-        reply = Reply(served.name, chat=False, include_usage=body.include_usage())
+        reply = Reply(served.name, chat=False, include_usage=body.include_usage(), token_text=served.token_text,
+                      text_offset=len(echo))
         return await self._respond(served, body, prompt, reply, echo, use_cache=use_cache(http.headers))
 
     async def _respond(self, served: ServedModel, body, prompt: list[int], reply: Reply, echo: str = "",
@@ -147,15 +148,15 @@ class Gateway:
             run = await self.dispatch.start(served, request)
             return StreamingResponse(self._stream(run, reply, echo), media_type="text/event-stream",
                                      headers=run.headers(run.cached_tokens))
-        run, text, done = await self.dispatch.complete(served, request)
-        return JSONResponse(reply.complete(echo + text, done), headers=run.headers(done.cached_tokens))
+        run, whole, done = await self.dispatch.complete(served, request)
+        return JSONResponse(reply.complete(echo + whole.text, done, whole), headers=run.headers(done.cached_tokens))
 
     async def _stream(self, run, reply: Reply, echo: str):
         try:
             yield reply.chunk(text="" if reply.chat else echo, role=reply.chat)
             async for event in run.events():
-                if isinstance(event, Delta) and event.text:
-                    yield reply.chunk(text=event.text)
+                if isinstance(event, Delta) and (event.text or event.logprobs or event.tool_calls):
+                    yield reply.chunk(text=event.text if event.text or not event.tool_calls else None, event=event)
                 elif isinstance(event, Finished):
                     yield reply.chunk(finish_reason=event.finish_reason)
                     if reply.include_usage:

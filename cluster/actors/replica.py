@@ -21,6 +21,7 @@ from pathlib import Path
 from cluster.actors import loopback, node_store
 from cluster.config import AppConfig, ModelSpec
 from cluster.engine.cold_session import ColdSession
+from cluster.engine.constraints import Grammars
 from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished, Started
 from cluster.actors.plan import GenerateRequest
 from cluster.engine.scheduler import Scheduler
@@ -54,6 +55,7 @@ class ModelReplica:
                                    decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
                                    prefill_concurrency=spec.prefill_concurrency)
         self.path, self.model, self.tokenizer, self.cache, self.memory = self.scheduler.run(lambda: self._load(app, link))
+        self.grammars = Grammars(self.tokenizer._tokenizer)  # its llguidance tokenizer is built on first use
         self.ray_node_id = _ray_node_id()
         self.admission = self.peers = self.publisher = None
         if self.cache.cache is not None:
@@ -125,7 +127,12 @@ class ModelReplica:
             session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
         else:
             session = ColdSession(self.model, self.new_caches)
-        seq = Sequence(prompt, request.params, self.model, self.tokenizer, session, self.spec.prefill_step_tokens)
+        try:
+            seq = Sequence(prompt, request.params, self.model, self.tokenizer, session,
+                           self.spec.prefill_step_tokens, self.grammars)
+        except ValueError as e:  # what the request asks of this model it cannot do (tools, tool_choice)
+            yield [Failed(str(e), status=400, param="tool_choice" if request.params.tool_choice else "tools")]
+            return
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
         ended = False
         try:

@@ -16,12 +16,14 @@ context holds (the factor 2 leaves room for normalizers that drop characters).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from concurrent.futures import Executor
 from pathlib import Path
 
 from cluster.api.errors import bad_request
+from cluster.api.structured import response_grammar
 from cluster.config import ModelSpec
 from cluster.actors.plan import GenerateRequest
 from cluster.engine.request import GenerationParams, SamplingParams
@@ -48,6 +50,7 @@ class ServedModel:
         self.handle = handle
         self.executor = executor
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "mlx-fleet",
@@ -67,6 +70,14 @@ class ServedModel:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         return list(body.prompt)
 
+    def token_text(self, token: int) -> str:
+        """One token as text (logprobs name tokens so); a token that is part of a character is U+FFFD."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self._token_texts[token] = text
+        return text
+
     async def decode(self, tokens: list[int]) -> str:
         return await self._off_loop(self.tokenizer.decode, tokens)
 
@@ -81,10 +92,11 @@ class ServedModel:
                 code="context_length_exceeded")
 
     def _chat_tokens(self, body) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if _tools_on(body) else None
         try:
-            tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)
+            tokens = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)
         except Exception as e:  # a template may refuse e.g. a role order it does not support
             raise bad_request(f"the chat template of '{self.name}' rejected the messages: {e}", "messages")
         return list(tokens)
@@ -109,11 +121,68 @@ class ServedModel:
                 f"{len(prompt)}. Please reduce the prompt.", "messages" if chat else "prompt",
                 code="context_length_exceeded")
         max_tokens = requested if requested is not None else min(self.spec.default_max_tokens, room)
-        sampling = SamplingParams(temperature=float(body.temperature if body.temperature is not None else 1.0),
-                                  top_p=float(body.top_p if body.top_p is not None else 1.0), seed=body.seed)
+        sampling = SamplingParams(
+            temperature=float(_or(body.temperature, 1.0)), top_p=float(_or(body.top_p, 1.0)),
+            top_k=_or(body.top_k, 0), min_p=float(_or(body.min_p, 0.0)), seed=body.seed,
+            logit_bias=self._logit_bias(body.logit_bias),
+            repetition_penalty=float(_or(body.repetition_penalty, 0.0)),
+            repetition_context_size=_or(body.repetition_context_size, 20),
+            presence_penalty=float(_or(body.presence_penalty, 0.0)),
+            presence_context_size=_or(body.presence_context_size, 20),
+            frequency_penalty=float(_or(body.frequency_penalty, 0.0)),
+            frequency_context_size=_or(body.frequency_context_size, 20),
+            logprobs=body.logprobs_count(),
+            grammar=response_grammar(body.response_format) if chat else None)
+        tools, forced = None, None
+        if chat and _tools_on(body):
+            tools = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
+            choice = body.tool_choice
+            forced = choice.function.name if not isinstance(choice, (str, type(None))) else (
+                "*" if choice == "required" else None)
         params = GenerationParams(max_tokens=max_tokens, sampling=sampling, stop=body.stop_list(),
-                                  trim_leading_space=chat)
+                                  trim_leading_space=chat, tools=tools, tool_choice=forced)
         return GenerateRequest(request_id=uuid.uuid4().hex, prompt_tokens=tuple(prompt), params=params)
+
+
+    def _logit_bias(self, bias) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, value in (bias or {}).items():
+            token = int(key)
+            if not 0 <= token < self.vocab_size:
+                raise bad_request(f"logit_bias names token {token}, outside the vocabulary [0, {self.vocab_size})",
+                                  "logit_bias")
+            out.append((token, float(value)))
+        return tuple(out)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _tools_on(body) -> bool:
+    """Tools go into the prompt unless tool_choice is "none" (then the model is not told of them)."""
+    return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
+
+
+def _template_message(m, index: int) -> dict:
+    """A message as chat templates expect it: tool-call arguments as objects (mlx_lm.server does the same)."""
+    out = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError as e:
+                raise bad_request(f"messages[{index}]: the arguments of tool call {call.function.name!r} are not "
+                                  f"JSON ({e})", "messages")
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        out["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
 
 
 def _max_token_bytes(tokenizer) -> int:

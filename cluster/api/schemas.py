@@ -4,8 +4,12 @@ Numbers and flags are strict (a string "0.5" is not a temperature), text must
 be valid Unicode (a lone surrogate cannot be tokenized), unknown fields are
 ignored as OpenAI clients send many optional ones, and fields we accept but
 cannot honour are refused with a 400 that names them rather than silently
-dropped: tools, tool_choice, functions, response_format other than text,
-logit_bias, logprobs, best_of > 1, n > 1, penalties, suffix.
+dropped: functions and function_call (use tools), best_of > 1, n > 1, suffix,
+XTC sampling.
+
+Beyond OpenAI's fields, mlx_lm.server's are accepted with its names and
+defaults: top_k, min_p, repetition_penalty and the *_context_size of each
+penalty (how many of the latest tokens it looks at, 20).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      field_validator)
+                      field_validator, model_validator)
 
 from cluster.engine.request import SEED_MAX, SEED_MIN
 
@@ -35,6 +39,11 @@ Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)]
+Number = Union[StrictInt, StrictFloat]
+Penalty = Annotated[Number, Field(ge=-2.0, le=2.0)]
+ContextSize = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def _unsupported(name: str, why: str):
@@ -59,11 +68,67 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Text
+    arguments: Text  # JSON, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[Text] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedTool
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Optional[Text] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Optional[Text] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[Text] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -86,15 +151,28 @@ class _Sampling(BaseModel):
     stream_options: Optional[StreamOptions] = None
     stop: Union[Text, list[Text], None] = None
     seed: Optional[Seed] = None
-    presence_penalty: Optional[Union[StrictInt, StrictFloat]] = 0
-    frequency_penalty: Optional[Union[StrictInt, StrictFloat]] = 0
-    logit_bias: Optional[dict[str, Any]] = None
+    presence_penalty: Optional[Penalty] = 0.0
+    frequency_penalty: Optional[Penalty] = 0.0
+    repetition_penalty: Optional[Annotated[Number, Field(ge=0.0)]] = 0.0
+    presence_context_size: Optional[ContextSize] = 20
+    frequency_context_size: Optional[ContextSize] = 20
+    repetition_context_size: Optional[ContextSize] = 20
+    top_k: Optional[Annotated[StrictInt, Field(ge=0)]] = 0
+    min_p: Optional[Annotated[Number, Field(ge=0.0, le=1.0)]] = 0.0
+    xtc_probability: Optional[Number] = 0.0
+    logit_bias: Optional[dict[str, Annotated[Number, Field(ge=-100, le=100)]]] = None
     user: Optional[StrictStr] = None
 
     _n = field_validator("n")(lambda v: _one_choice(v, "n"))
-    _penalties = field_validator("presence_penalty", "frequency_penalty")(
-        _unsupported("penalties", "mlx-lm's penalty processors are not wired in"))
-    _bias = field_validator("logit_bias")(_unsupported("logit_bias", "no logits processor for it"))
+    _xtc = field_validator("xtc_probability")(_unsupported("XTC sampling", "its draws cannot follow a request's seed"))
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        for key in v or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids; {key!r} is not an integer")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -122,30 +200,36 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[MaxTokens] = None
     logprobs: Optional[StrictBool] = False
-    top_logprobs: Optional[StrictInt] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ToolChoiceFunction, None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None
 
-    _logprobs = field_validator("logprobs", "top_logprobs")(_unsupported("logprobs", "not computed yet"))
-    _tools = field_validator("tools", "functions")(_unsupported("tool calling", "no tool-call parser is wired in"))
+    _functions = field_validator("functions", "function_call")(
+        _unsupported("functions / function_call", "the deprecated form of tools; send tools and tool_choice"))
 
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            raise ValueError("tool calling is not supported by mlx-fleet yet; leave tool_choice out")
-        return v
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, ToolChoiceFunction) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        if fmt is not None and fmt.type != "text" and choice not in (None, "none", "auto"):
+            raise ValueError("response_format and a forced tool_choice cannot both constrain the reply")
+        return self
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"response_format {v.get('type')!r} is not supported yet (no constrained decoding); "
-                             "only {\"type\": \"text\"} is")
-        return v
+    def logprobs_count(self) -> Optional[int]:
+        """None: no logprobs; N: the chosen token's and the top N."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
@@ -156,11 +240,13 @@ class CompletionRequest(_Sampling):
     max_tokens: Optional[MaxTokens] = 16
     echo: Optional[StrictBool] = False
     suffix: Optional[Text] = None
-    logprobs: Optional[StrictInt] = None
+    logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)]] = None
     best_of: Optional[StrictInt] = None
 
     _suffix = field_validator("suffix")(_unsupported("suffix", "no fill-in-the-middle"))
-    _logprobs = field_validator("logprobs")(_unsupported("logprobs", "not computed yet"))
+
+    def logprobs_count(self) -> Optional[int]:
+        return self.logprobs
     _best_of = field_validator("best_of")(lambda v: _one_choice(v, "best_of"))
 
     @field_validator("prompt")

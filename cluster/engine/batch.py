@@ -11,8 +11,10 @@ BatchGenerator does), while everything per request stays per request:
   block-aligned chunks (sequence.py), so block capture during prefill is the
   solo capture; it joins the batch with every prompt token but the last in its
   cache, and that token is its first input here;
-- sampling: greedy rows take one argmax; a sampled row uses its own Sampler
-  (its own key stream), so a seed means the same tokens in or out of a batch;
+- sampling: each row's own logits processors (penalties, logit_bias, grammar)
+  run on its row; greedy rows then take one argmax, a sampled row uses its own
+  TokenPicker (its own key stream), so a seed means the same tokens in or out
+  of a batch; logprobs come from the same processed row;
 - stops, detokenizing and events: `Sequence.accept`, as alone;
 - capture: after each step a row's session sees a per-row view of the batched
   caches, built only when it asks (at block ends), so generated blocks and
@@ -34,6 +36,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from cluster.engine import model_thread
 from cluster.engine.events import Event, Failed
+from cluster.engine.sampling import normalize
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -104,6 +107,7 @@ class DecodeBatch:
         self._y: Optional[mx.array] = None  # each row's sampled next token, not read back yet
         self._kinds: Optional[tuple] = None  # per-sequence cache classes of the rows
         self._in_flight: list[Sequence] = []
+        self._logprobs: list = []  # each row's pending logprobs for `_y` (None: not asked for)
 
     def __len__(self) -> int:
         return sum(1 for s in self.rows if not s.done)
@@ -115,7 +119,7 @@ class DecodeBatch:
     def step(self, joiners: list[Sequence]) -> list[tuple[Sequence, list[Event]]]:
         """One forward for every row still going plus the `joiners`; the tokens of the previous one."""
         model_thread.check("DecodeBatch.step")
-        old_rows, old_y = self.rows, self._y
+        old_rows, old_y, old_logprobs = self.rows, self._y, self._logprobs
         self._in_flight = old_rows + joiners  # until read back: what fail_all must fail
         keep = [i for i, s in enumerate(old_rows) if not s.done and s.room_after_next]
         if len(keep) < len(old_rows):
@@ -141,7 +145,8 @@ class DecodeBatch:
                 s.fed.append(s.prompt[-1])
         else:
             self.caches = self._kinds = None
-        results = self._read(old_rows, old_y, {i: r for r, i in enumerate(keep)})
+            self._logprobs = []
+        results = self._read(old_rows, old_y, old_logprobs, {i: r for r, i in enumerate(keep)})
         self._in_flight = []
         return results
 
@@ -158,7 +163,7 @@ class DecodeBatch:
 
     def clear(self) -> None:
         """Forget every row and free the batched caches."""
-        self.rows, self.caches, self._y, self._kinds, self._in_flight = [], None, None, None, []
+        self.rows, self.caches, self._y, self._kinds, self._in_flight, self._logprobs = [], None, None, None, [], []
 
     # -----------------------------------------------------------------------
     def _filter(self, keep: list[int]) -> None:
@@ -183,17 +188,21 @@ class DecodeBatch:
 
     def _forward(self, rows: list[Sequence], inputs: mx.array) -> mx.array:
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
-        if all(s.params.sampling.greedy for s in rows):
-            y = mx.argmax(logits, axis=-1)
-        else:
-            y = mx.concatenate([s.sampler(logits[i:i + 1]) for i, s in enumerate(rows)])
         for i, s in enumerate(rows):
             if s.params.record_logits:
                 s.logits.append(logits[i])
-        mx.async_eval(y)
+        if any(s.picker.processors for s in rows):
+            logits = mx.concatenate([s.picker.process(inputs[i:i + 1], logits[i:i + 1]) for i, s in enumerate(rows)])
+        logprobs = normalize(logits)
+        if all(s.params.sampling.greedy for s in rows):
+            y = mx.argmax(logprobs, axis=-1)
+        else:
+            y = mx.concatenate([s.picker.sample(logprobs[i:i + 1]) for i, s in enumerate(rows)])
+        self._logprobs = [s.picker.pending(logprobs[i], y[i]) for i, s in enumerate(rows)]
+        mx.async_eval(y, *(a for p in self._logprobs if p is not None for a in p.arrays()))
         return y
 
-    def _read(self, old_rows: list[Sequence], old_y: Optional[mx.array],
+    def _read(self, old_rows: list[Sequence], old_y: Optional[mx.array], old_logprobs: list,
               new_index: dict[int, int]) -> list[tuple[Sequence, list[Event]]]:
         """Read back the previous step's tokens and turn them into each row's events."""
         if old_y is None:
@@ -207,7 +216,7 @@ class DecodeBatch:
                 if i in new_index:  # the token was fed back: the cache now holds it
                     s.fed[-1] = token
                     s.session.observe(RowCaches(self.caches, new_index[i]), s.fed)
-                events = s.accept(token)
+                events = s.accept(token, old_logprobs[i])
             except Exception as e:  # one bad request must not take the others down
                 log.exception("a batched sequence failed")
                 try:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from cluster.engine.logprobs import TokenLogprob
+from cluster.engine.tool_calls import ToolCall
+
 
 @dataclass(frozen=True)
 class Accepted:
@@ -30,11 +33,18 @@ class Started:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text (possibly empty while a stop string is undecided) and the tokens behind it."""
+    """New text (possibly empty while a stop string or a tool call is undecided), the tokens behind it,
+    their logprobs (when asked for) and the tool calls completed with it."""
 
     text: str
     token_ids: tuple[int, ...]
-    logprobs: Optional[tuple[float, ...]] = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def merged_after(self, first: "Delta") -> "Delta":
+        """`first` followed by this delta, as one."""
+        return Delta(first.text + self.text, first.token_ids, first.logprobs + self.logprobs,
+                     first.tool_calls + self.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class Failed:
 
     message: str
     status: int = 500
+    param: Optional[str] = None  # the request field at fault, for a 4xx
 
 
 Event = Accepted | Started | Delta | Finished | Failed

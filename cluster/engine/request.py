@@ -17,15 +17,33 @@ SEED_MAX = (1 << 63) - 1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token."""
+    """How to pick each next token: mlx-lm's logits processors, then its sampler (names and defaults
+    follow mlx_lm.server's request fields)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     seed: Optional[int] = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    repetition_penalty: float = 0.0  # 0: off (multiplicative, sign-aware)
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    logprobs: Optional[int] = None  # None: none; N >= 0: the chosen token's logprob and the top N
+    grammar: Optional[str] = None  # an llguidance grammar (JSON mode, forced tool calls): constrain decoding
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor runs (otherwise the logits go straight to the sampler)."""
+        return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty or self.frequency_penalty
+                    or self.grammar)
 
 
 @dataclass(frozen=True)
@@ -38,4 +56,6 @@ class GenerationParams:
     # Chat replies drop the first token's leading space, as mlx-lm does; a text
     # completion keeps it, so prompt + completion is exactly the decoded tokens.
     trim_leading_space: bool = False
+    tools: Optional[str] = None  # the request's tools (JSON): parse tool calls out of the reply
+    tool_choice: Optional[str] = None  # force a call: "*" (any of the tools) or a tool's name
     record_logits: bool = False  # keep each step's logits (tests compare them across runs)

@@ -16,6 +16,7 @@ Python.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Optional, Protocol
 
@@ -23,10 +24,12 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from cluster.engine import model_thread
+from cluster.engine.constraints import tool_call_grammar
 from cluster.engine.events import Delta, Event, Finished, Started
 from cluster.engine.request import GenerationParams
-from cluster.engine.sampling import Sampler
+from cluster.engine.sampling import LogprobsPending, TokenPicker
 from cluster.engine.stops import StopMatcher
+from cluster.engine.tool_calls import ToolCallSplitter
 
 
 def detokenizer(tokenizer, trim_leading_space: bool):
@@ -64,7 +67,7 @@ class Sequence:
     """Generation state of one request."""
 
     def __init__(self, prompt: list[int], params: GenerationParams, model, tokenizer,
-                 session: CacheSession, prefill_step: int = 512):
+                 session: CacheSession, prefill_step: int = 512, grammars=None):
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         self.prompt = list(prompt)
@@ -75,7 +78,19 @@ class Sequence:
         self.eos = set(tokenizer.eos_token_ids)
         self.detok = detokenizer(tokenizer, params.trim_leading_space)
         self.stops = StopMatcher(list(params.stop))
-        self.sampler: Optional[Sampler] = None  # made on the model thread: it holds an MLX key
+        self.tool_calls = None
+        if params.tools is not None:
+            if not getattr(tokenizer, "has_tool_calling", False):
+                raise ValueError("this model's chat template has no tool calling")
+            self.tool_calls = ToolCallSplitter(tokenizer.tool_call_start, tokenizer.tool_call_end,
+                                               tokenizer.tool_parser, json.loads(params.tools))
+        self.grammar = params.sampling.grammar
+        if params.tool_choice is not None:  # compiled here, off the model thread; a bad one fails the request now
+            self.grammar = tool_call_grammar(tokenizer, json.loads(params.tools), params.tool_choice)
+        if self.grammar is not None and grammars is None:
+            raise ValueError("this replica cannot constrain decoding (no grammar support)")
+        self.grammars = grammars  # makes the grammar processor of a constrained request (constraints.py)
+        self.picker: Optional[TokenPicker] = None  # made on the model thread: it holds MLX arrays
         self.cache: Optional[list] = None
         self.fed: list[int] = []
         self.generated: list[int] = []
@@ -84,7 +99,7 @@ class Sequence:
         self.prefill_sample: Optional[tuple[int, float]] = None  # (tokens, seconds) of the last prefill chunk
         self.begun = False
         self.done = False
-        self._next: Optional[mx.array] = None
+        self._next: Optional[tuple[mx.array, Optional[LogprobsPending]]] = None
         self._t0 = time.perf_counter()
         self._t_first: Optional[float] = None
 
@@ -92,7 +107,8 @@ class Sequence:
     def begin(self) -> None:
         """Restore the cached prefix (model thread): the first thing a sequence does."""
         model_thread.check("Sequence.begin")
-        self.sampler = Sampler(self.params.sampling)
+        grammar = self.grammars(self.grammar) if self.grammar is not None else None
+        self.picker = TokenPicker(self.params.sampling, self.prompt, grammar)
         self.cache, self.cached_tokens = self.session.restore()
         self.fed = self.prompt[: self.cached_tokens]
         self.begun = True
@@ -125,14 +141,14 @@ class Sequence:
             return []
         if self._next is None:
             self._next = self._forward(self.prompt[-1])
-        y = self._next
+        y, logprobs = self._next
         nxt = self._forward(y) if self.room_after_next else None
         token = int(y.item())
         if nxt is not None:
             self.fed[-1] = token
         self.session.observe(self.cache, self.fed)
         self._next = nxt
-        return self.accept(token)
+        return self.accept(token, logprobs)
 
     @property
     def room_after_next(self) -> bool:
@@ -144,18 +160,18 @@ class Sequence:
         """Prompt tokens not yet in the cache (all of them before the restore)."""
         return max(0, len(self.prompt) - (len(self.fed) if self.begun else 0))
 
-    def _forward(self, token) -> mx.array:
-        """Feed one token (int or lazy [1] array); return the lazily sampled next token."""
+    def _forward(self, token) -> tuple[mx.array, Optional[LogprobsPending]]:
+        """Feed one token (int or lazy [1] array); return the lazily sampled next token and its logprobs."""
         inputs = mx.array([token]) if isinstance(token, int) else token
         logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
         if self.params.record_logits:
             self.logits.append(logits[0])
-        y = self.sampler(logits)
-        mx.async_eval(y)
+        y, logprobs = self.picker.pick(inputs, logits)
+        mx.async_eval(y, *(logprobs.arrays() if logprobs else ()))
         self.fed.append(token if isinstance(token, int) else -1)  # fixed up once read back
-        return y
+        return y, logprobs
 
-    def accept(self, token: int) -> list[Event]:
+    def accept(self, token: int, logprobs: Optional[LogprobsPending] = None) -> list[Event]:
         """The next generated token has been read back: the events it makes (Started first)."""
         events: list[Event] = []
         if self._t_first is None:
@@ -164,15 +180,23 @@ class Sequence:
             events.append(Started(cached_tokens=self.cached_tokens, prompt_tokens=len(self.prompt),
                                   fetched_tokens=fetched, fetched_from=peer))
         self.generated.append(token)
+        info = (logprobs.read(token),) if logprobs is not None else ()
         if token in self.eos:
-            return events + self._finish("stop", Delta(self.stops.feed(self._final_text()), (token,)))
+            return events + self._finish("stop", self._delta(self.stops.feed(self._final_text()), token, info))
         self.detok.add_token(token)
         text = self.stops.feed(self.detok.last_segment)
         if self.stops.stopped:
-            return events + self._finish("stop", Delta(text, (token,)))
+            return events + self._finish("stop", self._delta(text, token, info))
         if len(self.generated) >= self.params.max_tokens:
-            return events + self._finish("length", Delta(text + self.stops.feed(self._final_text()), (token,)))
-        return events + [Delta(text, (token,))]
+            return events + self._finish("length", self._delta(text + self.stops.feed(self._final_text()), token, info))
+        return events + [self._delta(text, token, info)]
+
+    def _delta(self, text: str, token: int, info: tuple) -> Delta:
+        """Text released by the stop matcher, split into content and tool calls when tools are on."""
+        if self.tool_calls is None:
+            return Delta(text, (token,), info)
+        content, calls = self.tool_calls.feed(text)
+        return Delta(content, (token,), info, tuple(calls))
 
     def _final_text(self) -> str:
         self.detok.finalize()
@@ -181,7 +205,12 @@ class Sequence:
     def _finish(self, reason: str, delta: Delta) -> list[Event]:
         tail = self.stops.flush()
         if tail:
-            delta = Delta(delta.text + tail, delta.token_ids)
+            delta = self._delta(tail, delta.token_ids[0], ()).merged_after(delta)
+        if self.tool_calls is not None:
+            content, calls = self.tool_calls.flush()
+            delta = Delta(delta.text + content, delta.token_ids, delta.logprobs, delta.tool_calls + tuple(calls))
+            if reason == "stop" and self.tool_calls.made_call:
+                reason = "tool_calls"
         self.close(completed=True)
         now = time.perf_counter()
         timings = {

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from cluster.models.catalog import BuiltinModel
-from cluster.models.tokenizer_builder import build_tokenizer
+from cluster.models.tokenizer_builder import CHAT_TEMPLATE, build_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -28,15 +28,32 @@ def is_built(path: Path) -> bool:
 def build_model(spec: BuiltinModel, path: Path) -> Path:
     """Build `spec` at `path` unless it is already there; return the path."""
     if is_built(path):
-        return path
+        return _refresh_template(path)
     return _assemble(spec, path, weights=True)
 
 
 def build_tokenizer_dir(spec: BuiltinModel, path: Path) -> Path:
     """Only `spec`'s config and tokenizer at `path` (no weights, no MLX): what a gateway needs."""
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
+        return _refresh_template(path)
     return _assemble(spec, path, weights=False)
+
+
+def _refresh_template(path: Path) -> Path:
+    """A model built by an earlier version gets today's chat template (it gained tools); nothing else changes.
+
+    Written to a temporary file and renamed, so a concurrent reader sees the old file or the new one."""
+    config_file = path / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return path
+    if config.get("chat_template") != CHAT_TEMPLATE:
+        config["chat_template"] = CHAT_TEMPLATE
+        tmp = path / f".tokenizer_config.json.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(config, indent=2))
+        os.replace(tmp, config_file)
+    return path
 
 
 def _assemble(spec: BuiltinModel, path: Path, weights: bool) -> Path:

@@ -19,9 +19,35 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# ChatML with tools the way Qwen 2.5 writes them (so mlx-lm picks its `json_tools` parser): the tool list
+# in a system turn, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results in
+# <tool_response> user turns. Without tools it renders exactly the plain ChatML of earlier versions.
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments '"
+    " + 'within <tool_call></tool_call> XML tags:\n<tool_call>\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": '"
+    " + (tool_call.arguments | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -40,7 +40,16 @@ def test_max_completion_tokens_wins():
     ("n", 2, "n"),
     ("stream", "yes", "stream"),
     ("seed", 1.5, "seed"),
-    ("presence_penalty", 0.5, "presence_penalty"),
+    ("presence_penalty", 2.5, "presence_penalty"),
+    ("frequency_penalty", -3, "frequency_penalty"),
+    ("repetition_penalty", -1, "repetition_penalty"),
+    ("top_k", -1, "top_k"),
+    ("min_p", 1.5, "min_p"),
+    ("logit_bias", {"x": 1}, "logit_bias"),
+    ("logit_bias", {"5": 101}, "logit_bias.5"),
+    ("top_logprobs", 21, "top_logprobs"),
+    ("xtc_probability", 0.5, "xtc_probability"),
+    ("functions", [{"name": "f"}], "functions"),
     ("stop", ["x"] * 17, "stop"),
 ])
 def test_bad_fields_are_400_naming_the_field(field, value, param):

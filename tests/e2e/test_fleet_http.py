@@ -362,11 +362,9 @@ def test_a_long_prompt_that_passes_the_cheap_check_is_tokenized_and_refused(http
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-    ({"logit_bias": {"42": 5}}, "logit_bias"),
-    ({"logprobs": True}, "logprobs"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"xtc_probability": 0.5}, "xtc_probability"),
 ])
 def test_unsupported_chat_fields_are_refused_by_name(http, extra, param):
     err = error_of(http.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **extra}), 400)
