@@ -98,3 +98,13 @@ def test_a_grammar_holds_in_a_batch(load_builtin, scheduler):
     for e in events[:3]:
         text = "".join(x.text for x in e if isinstance(x, Delta))
         assert set(json.loads(text)) == {"n"} and e[-1].finish_reason == "stop"
+
+
+def test_tools_need_a_template_with_tool_calling(load_builtin, scheduler):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    model, tok = scheduler.run(lambda: load_builtin(MODEL))
+    assert tok.has_tool_calling  # the built-in template renders tools as Qwen 2.5 does
+    plain = TokenizerWrapper(tok._tokenizer)  # the same tokenizer, without tool calling
+    with pytest.raises(ValueError, match="no tool calling"):
+        Sequence(PROMPT, GenerationParams(max_tokens=4, tools="[]"), model, plain, ColdSession(model))
