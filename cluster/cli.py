@@ -164,17 +164,29 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"mlx-fleet: no fleet is running under {Path(data_dir).expanduser()} (start one with `mlx-fleet up`)",
               file=sys.stderr)
         return 1
+    out = _own_stdout()
     connect(state)
     status = fleet_status(state.redis_url, state.models, state.data_dir)
     status["endpoint"] = state.http_url
     status["dashboard"] = state.dashboard_url
     if a.json:
-        print(json.dumps(status, indent=2, default=str))
+        print(json.dumps(status, indent=2, default=str), file=out, flush=True)
         return 0
     from cluster.fleet.status_text import render
 
-    print(render(status))
+    print(render(status), file=out, flush=True)
     return 0
+
+
+def _own_stdout():
+    """Keep stdout for our output alone: Ray's driver prints cluster events ("(raylet) The node ... is
+    dead") from its own threads, which would break `status --json` for whoever parses it. From here on
+    anything else written to stdout, from Python or from native code, goes to stderr."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
 
 
 def cmd_models(a: argparse.Namespace) -> int:

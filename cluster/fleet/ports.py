@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import random
 import socket
+
+# Below the ephemeral ranges (Linux 32768-60999, macOS 49152-65535) and above Ray's worker ports
+# (10002-19999). A port from the ephemeral range can be free when picked and taken a few seconds later by
+# any process binding port 0 (Ray starts dozens of gRPC servers so) before our server binds it.
+PICK_RANGE = (20000, 32768)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free right now (ephemeral range, clear of Ray's worker ports)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port that is free now and that nobody asking the OS for any port will be given."""
+    for _ in range(256):
+        port = random.randrange(*PICK_RANGE)
+        if port_is_free(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is full: whatever the OS gives
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -71,11 +71,13 @@ GREEDY = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0.0}
     {"temperature": 0.9, "top_k": 5, "seed": 3},
     {"temperature": 0.8, "min_p": 0.2, "seed": 4},
     {"temperature": 1.0, "top_p": 0.7, "seed": 5},
+    {"tools": TOOLS},  # the tools rendered into the prompt by the template, as mlx_lm.server renders them
 ], ids=lambda e: "+".join(e) or "plain")
 def test_sampling_parameters_give_mlx_lm_servers_tokens(fleet, reference, extra):
     ours, theirs = both(fleet, reference, {**GREEDY, **extra})
     assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
     assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
 
 
 def test_logprobs_equal_mlx_lm_servers(fleet, reference):
