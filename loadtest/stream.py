@@ -17,7 +17,8 @@ from typing import Optional
 
 import requests
 
-CACHE_STATES = ("cold", "partial", "full")
+from cluster.metrics import CACHE_STATES, cache_state  # noqa: F401 (the load test classifies as the fleet does)
+
 
 
 @dataclass
@@ -42,16 +43,6 @@ class Result:
         """`x-fleet-route` as a dict: {"policy": ..., "reason": ..., "local": ..., "fetched": ...}."""
         policy, *pairs = self.route.split() or [""]
         return {"policy": policy, **dict(p.split("=", 1) for p in pairs if "=" in p)}
-
-
-def cache_state(prompt_tokens: int, cached_tokens: int, block_tokens: int) -> str:
-    """cold: nothing restored; full: every whole block before the last prompt token (the most a block
-    cache can restore: the last token is always computed); partial: in between."""
-    if cached_tokens <= 0:
-        return "cold"
-    if block_tokens > 0 and cached_tokens >= (prompt_tokens - 1) // block_tokens * block_tokens:
-        return "full"
-    return "partial"
 
 
 def stream_chat(session: requests.Session, url: str, body: dict, headers: dict, timeout_s: float) -> Result:

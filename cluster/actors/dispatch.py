@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ class Run:
     response: object
     cached_tokens: int = 0
     started: Optional[Started] = None
+    started_at: float = 0.0  # monotonic time the first token's Started arrived
     on_close: Optional[Callable[[], None]] = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -155,6 +157,7 @@ class Dispatcher:
                 if isinstance(event, Started):
                     run.cached_tokens = event.cached_tokens
                     run.started = event
+                    run.started_at = time.monotonic()
                 if isinstance(event, (Started, Finished, Failed)):
                     break
         except BaseException:

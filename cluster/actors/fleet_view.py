@@ -18,6 +18,7 @@ from typing import Optional
 
 import msgpack
 
+from cluster import metrics
 from cluster.store.keys import lease_pattern
 from cluster.store.redis_client import redact
 
@@ -95,4 +96,5 @@ class FleetView:
                 await asyncio.wait_for(self.refresh(), self.period_s * 2)
             except Exception as e:  # Redis away: the view goes stale and routing falls back
                 log.debug("fleet view refresh failed: %s", redact(str(e)))
+                metrics.inc("mlx_fleet_redis_errors", node="", component="gateway_view")
             await asyncio.sleep(self.period_s)

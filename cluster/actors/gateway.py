@@ -27,6 +27,7 @@ from cluster.actors.dispatch import Dispatcher
 from cluster.actors.fleet_view import FleetView
 from cluster.actors.gateway_stats import GatewayStats
 from cluster.actors.health import Health
+from cluster.actors.request_metrics import RequestTiming
 from cluster.actors.routing import Affinity
 from cluster.actors.served_model import ServedModel
 from cluster.api.errors import APIError, bad_request, from_validation_errors, internal
@@ -126,6 +127,7 @@ class Gateway:
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, http: Request):
         served = self.dispatch.model(body.model)
+        http.state.model = served.name
         prompt = await served.chat_prompt(body)
         reply = Reply(served.name, chat=True, include_usage=body.include_usage(), token_text=served.token_text)
         return await self._respond(served, body, prompt, reply, use_cache=use_cache(http.headers))
@@ -133,6 +135,7 @@ class Gateway:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, http: Request):
         served = self.dispatch.model(body.model)
+        http.state.model = served.name
         prompt = await served.text_prompt(body)
         echo = await served.decode(prompt) if body.echo else ""
         reply = Reply(served.name, chat=False, include_usage=body.include_usage(), token_text=served.token_text,
@@ -144,20 +147,25 @@ class Gateway:
         self.view.start()
         self.stats.start()
         request = dataclasses.replace(served.make_request(body, prompt, chat=reply.chat), use_cache=use_cache)
+        timing = RequestTiming(served.name, len(prompt))
         if body.stream:
             run = await self.dispatch.start(served, request)
-            return StreamingResponse(self._stream(run, reply, echo), media_type="text/event-stream",
+            timing.first_token(run, self.view)
+            return StreamingResponse(self._stream(run, reply, echo, timing), media_type="text/event-stream",
                                      headers=run.headers(run.cached_tokens))
         run, whole, done = await self.dispatch.complete(served, request)
+        timing.first_token(run, self.view)
+        timing.done()
         return JSONResponse(reply.complete(echo + whole.text, done, whole), headers=run.headers(done.cached_tokens))
 
-    async def _stream(self, run, reply: Reply, echo: str):
+    async def _stream(self, run, reply: Reply, echo: str, timing: "RequestTiming"):
         try:
             yield reply.chunk(text="" if reply.chat else echo, role=reply.chat)
             async for event in run.events():
                 if isinstance(event, Delta) and (event.text or event.logprobs or event.tool_calls):
                     yield reply.chunk(text=event.text if event.text or not event.tool_calls else None, event=event)
                 elif isinstance(event, Finished):
+                    timing.done()
                     yield reply.chunk(finish_reason=event.finish_reason)
                     if reply.include_usage:
                         yield reply.usage_chunk(event)

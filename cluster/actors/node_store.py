@@ -22,6 +22,7 @@ from typing import Optional
 
 import msgpack
 
+from cluster import metrics
 from cluster.store.block_files import ReadFailure
 from cluster.store.disk_tier import DiskStore
 from cluster.store.events import EventBatch
@@ -114,7 +115,9 @@ class NodeStore:
     def _maintain(self) -> None:
         """Expire read leases of readers that died, and publish stats to Redis."""
         client = self._publish(None) if self._redis_url else None
+        exporter = metrics.StatsExporter()
         while not self._stop.wait(self._stats_ttl_s / 3):
+            metrics.export_node_store(exporter, self._stats())
             now = time.monotonic()
             for lease, (ns, pinned, expires) in list(self._leases.items()):
                 if expires < now and self._leases.pop(lease, None) is not None:

@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cluster import metrics
 from cluster.actors import loopback, node_store
 from cluster.config import AppConfig, ModelSpec
 from cluster.engine.cold_session import ColdSession
@@ -40,6 +41,7 @@ from cluster.store.redis_client import connect
 log = logging.getLogger(__name__)
 
 ADMISSION_THREADS = 4
+METRICS_PERIOD_S = 5.0  # how often counters become metrics (Ray exports every 10 s)
 
 
 class ModelReplica:
@@ -70,6 +72,9 @@ class ModelReplica:
                                      app.redis)
             if self.cache.cache is not None:
                 self.publisher = self._publish(app)
+        self.exporter = metrics.StatsExporter()
+        self.metrics_loop = metrics.Every(lambda: metrics.export_replica(self.exporter, self.stats()),
+                                          METRICS_PERIOD_S, "mlx-fleet-metrics")
         log.info("replica of %s ready on node %s (%s)", spec.name, self.node.node_id, self.path)
 
     def _publish(self, app: AppConfig) -> IndexPublisher:
@@ -225,6 +230,9 @@ class ModelReplica:
         lease = getattr(self, "lease", None)
         if lease is not None:
             lease.close()
+        loop = getattr(self, "metrics_loop", None)
+        if loop is not None:
+            loop.stop()
         publisher = getattr(self, "publisher", None)
         if publisher is not None:
             publisher.close()

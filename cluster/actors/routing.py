@@ -38,6 +38,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
 
+from cluster import metrics
 from cluster.actors.fleet_view import FleetView, ReplicaInfo
 from cluster.actors.plan import FetchPlan, RoutePlan
 from cluster.config import RoutingConfig
@@ -177,6 +178,7 @@ class Affinity:
             held = await asyncio.wait_for(self._lookup(nodes, prompt), self.cfg.lookup_timeout_s)
         except Exception as e:  # Redis slow or away: keep serving, by power of two choices
             log.debug("index lookup failed (%s); falling back", type(e).__name__)
+            metrics.inc("mlx_fleet_redis_errors", node="", component="index_lookup")
             return self._count(RoutePlan(policy="affinity", reason="fallback"))
         loads = {r.node_id: max(int((held.get(r.node_id).lease if held.get(r.node_id) else {}).get("active", 0)),
                                 self.inflight[r.node_id]) for r in nodes}
@@ -193,6 +195,7 @@ class Affinity:
             calls.append(self.index.alookup(ns, ids, (len(prompt) - 1) // r.block_tokens if r.recurrent else 0))
         results = await asyncio.gather(*calls)
         self.lookup_s.append(time.perf_counter() - t0)
+        metrics.observe("mlx_fleet_index_lookup_seconds", self.lookup_s[-1], model=nodes[0].model)
         wanted = {(r.namespace, r.node_id) for r in nodes}
         return {h.node_id: h for ns, holdings in zip(by_ns, results) for h in holdings if (ns, h.node_id) in wanted}
 

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from cluster import metrics
 from cluster.api.keys import ApiKeys
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,14 @@ class FrontDoor:
 
     async def _forward(self, scope, receive, send) -> None:
         started = False
+        state = scope.setdefault("state", {})  # Starlette's request.state: the handler names the model there
 
         async def tracking_send(message):
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                metrics.inc("mlx_fleet_requests", model=state.get("model", ""), endpoint=scope.get("path", ""),
+                            code=message["status"])
             await send(message)
 
         try:

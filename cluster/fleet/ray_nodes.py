@@ -74,13 +74,15 @@ def _start(state: FleetState, name: str, extra: list[str], env: dict) -> str | N
     # share a host name: their persistent node ids still tell them apart).
     label = os.environ.get(NODE_NAME_ENV) or name
     env = {**env, NODE_NAME_ENV: label, NODE_DATA_DIR_ENV: str(node_dir)}
+    metrics_port = free_port()
     argv = [sys.executable, "-m", "ray.scripts.scripts", "start", *extra, f"--num-cpus={os.cpu_count() or 2}",
             f"--resources={json.dumps({NODE_RESOURCE: 1})}", f"--labels={json.dumps({NODE_LABEL: label})}",
             f"--object-store-memory={OBJECT_STORE_BYTES}", f"--dashboard-agent-listen-port={free_port()}",
-            "--disable-usage-stats"]
+            f"--metrics-export-port={metrics_port}", "--disable-usage-stats"]
     log = node_dir / "ray-start.log"
     proc = processes.spawn(argv, env, log)
-    state.nodes.append(NodeProcess(node_id=name, session_id=proc.pid, data_dir=str(node_dir), log=str(log)))
+    state.nodes.append(NodeProcess(node_id=name, session_id=proc.pid, data_dir=str(node_dir), log=str(log),
+                                   metrics_port=metrics_port))
     save_state(state)
     try:
         code = proc.wait(timeout=START_TIMEOUT_S)

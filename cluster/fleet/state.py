@@ -24,6 +24,8 @@ class NodeProcess(BaseModel):
     session_id: int = Field(description="Process session of the node's Ray daemons.")
     data_dir: str = Field(description="The node's own data dir.")
     log: str = Field(description="Log file of `ray start` for this node.")
+    metrics_port: int = Field(0, description="Port of the node's Prometheus endpoint (Ray's metrics agent), "
+                                             "where the fleet's metrics are scraped; 0 if unknown.")
 
 
 class FleetState(BaseModel):

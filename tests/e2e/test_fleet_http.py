@@ -542,3 +542,61 @@ def test_fuzzed_requests_get_a_2xx_or_a_correct_4xx(fleet, mode):
     assert sum(seen.values()) >= 40, seen
     if mode == "positive":
         assert any(code < 300 for code in seen), seen  # valid bodies do reach the replicas
+
+
+def scrape(fleet) -> dict[tuple, float]:
+    """Every node's Prometheus endpoint, summed: {(name, sorted labels without Ray's own): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ours = {"model", "node", "tier", "kind", "code", "endpoint", "cache_state", "reason", "outcome", "stage",
+            "component", "le"}
+    out: dict[tuple, float] = {}
+    for node in fleet.state().nodes:
+        text = httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.startswith("ray_mlx_fleet_"):
+                    key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k in ours)))
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    return sum(v for (n, lab), v in samples.items() if n == name and all((k, v2) in lab for k, v2 in labels.items()))
+
+
+def test_prometheus_shows_the_fleets_metrics_and_they_add_up(fleet, client):
+    """After traffic, the nodes' Prometheus endpoints (Ray's metrics agents) carry our metrics, and the
+    cached-token counter grew by exactly the cached tokens the clients were told of."""
+    before = scrape(fleet)
+    system = "You are a careful assistant who answers the metrics test. " * 12
+    seen_cached, n = 0, 6
+    for i in range(n):
+        r = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0.0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}])
+        seen_cached += r.usage.prompt_tokens_details.cached_tokens
+    assert seen_cached > 0
+    deadline = time.monotonic() + 60  # replicas export every 5 s, Ray's agents every 10 s
+    while True:
+        now = scrape(fleet)
+        grew = {name: total(now, name, **labels) - total(before, name, **labels) for name, labels in (
+            ("ray_mlx_fleet_tokens_total", {"model": MODEL, "kind": "cached"}),
+            ("ray_mlx_fleet_requests_total", {"model": MODEL, "code": "200"}),
+            ("ray_mlx_fleet_ttft_seconds_count", {"model": MODEL}),
+            ("ray_mlx_fleet_request_seconds_count", {"model": MODEL}),
+            ("ray_mlx_fleet_routes_total", {"model": MODEL}))}
+        if grew["ray_mlx_fleet_tokens_total"] >= seen_cached and grew["ray_mlx_fleet_requests_total"] >= n \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert grew["ray_mlx_fleet_tokens_total"] == seen_cached, grew
+    assert grew["ray_mlx_fleet_requests_total"] == n and grew["ray_mlx_fleet_routes_total"] == n, grew
+    assert grew["ray_mlx_fleet_ttft_seconds_count"] == n and grew["ray_mlx_fleet_request_seconds_count"] == n, grew
+    names = {name for name, _ in now}
+    assert {"ray_mlx_fleet_cache_blocks", "ray_mlx_fleet_cache_bytes", "ray_mlx_fleet_replica_sequences",
+            "ray_mlx_fleet_replica_queued_tokens"} <= names, sorted(names)
+    ram = total(now, "ray_mlx_fleet_cache_blocks", model=MODEL, tier="ram")
+    disk = total(now, "ray_mlx_fleet_cache_blocks", tier="disk")
+    assert ram > 0 and disk >= 0
+    assert total(now, "ray_mlx_fleet_replica_sequences", model=MODEL, stage="active") == 0  # all done
+    assert total(now, "ray_mlx_fleet_tokens_total", model=MODEL, kind="generated") >= 3 * n
