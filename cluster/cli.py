@@ -68,6 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     models.add_argument("--json", action="store_true")
     _data_dir(models)
 
+    deploy = sub.add_parser("deploy", help="deploy or update the app on a running Ray cluster (a `ray up` fleet) "
+                                          "from a Serve config such as deploy/serve.yaml, and wait until it serves")
+    deploy.add_argument("file", help="the Serve config (deploy/serve.yaml); its args are checked like `up`'s")
+    deploy.add_argument("--address", default=None,
+                        help="the head's dashboard, http://<head>:8265 (default $RAY_DASHBOARD_ADDRESS, an http "
+                             "$RAY_ADDRESS, or http://127.0.0.1:8265); the token comes from RAY_AUTH_MODE=token "
+                             "and ~/.ray/auth_token or RAY_AUTH_TOKEN_PATH, as for every Ray command")
+    deploy.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every replica (900)")
+
     bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
     bench.add_argument("name", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -202,13 +211,20 @@ def cmd_models(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(a: argparse.Namespace) -> int:
+    from cluster.fleet.deploy import main
+
+    return main(a.file, a.address, a.timeout)
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from cluster.bench import run_benchmark
 
     return run_benchmark(a.name, a.rest)
 
 
-COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "models": cmd_models, "bench": cmd_bench}
+COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "models": cmd_models, "deploy": cmd_deploy,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

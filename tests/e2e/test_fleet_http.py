@@ -600,3 +600,37 @@ def test_prometheus_shows_the_fleets_metrics_and_they_add_up(fleet, client):
     assert ram > 0 and disk >= 0
     assert total(now, "ray_mlx_fleet_replica_sequences", model=MODEL, stage="active") == 0  # all done
     assert total(now, "ray_mlx_fleet_tokens_total", model=MODEL, kind="generated") >= 3 * n
+
+
+def test_mlx_fleet_deploy_updates_the_running_app_from_the_serve_file(fleet, tmp_path):
+    """`mlx-fleet deploy` with deploy/serve.yaml (only what points it at this fleet changed) redeploys the app
+    through the dashboard, with the fleet's token, waits for every replica and prints where to go."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    state = fleet.state()
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml").read_text())
+    doc["proxy_location"] = "HeadOnly"
+    doc["http_options"] = {"host": "127.0.0.1", "port": fleet.port}
+    args = doc["applications"][0]["args"]
+    args.update(models=[{"name": MODEL, "source": MODEL}, {"name": OTHER, "source": OTHER}],
+                redis_url=state.redis_url, data_dir=str(fleet.data_dir), gateway={"replicas": 2})
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(fleet.data_dir / "ray-token")}
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "deploy", str(path), "--address", state.dashboard_url],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "replicas running" in r.stdout and f"endpoint:  http://127.0.0.1:{fleet.port}/v1" in r.stdout
+    assert f"dashboard: {state.dashboard_url}" in r.stdout
+    ok = httpx.post(f"{fleet.url}/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 2},
+                    timeout=60)
+    assert ok.status_code == 200
+    # without the token the dashboard refuses it, and the message says what happened
+    env.pop("RAY_AUTH_MODE")
+    env.pop("RAY_AUTH_TOKEN_PATH")
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "deploy", str(path), "--address", state.dashboard_url],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr

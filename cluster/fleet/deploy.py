@@ -1,0 +1,141 @@
+"""`mlx-fleet deploy FILE`: deploy or update the Serve app on a running Ray cluster, and wait for it.
+
+The file is the one `serve deploy` takes (deploy/serve.yaml): Ray's own schema
+checks its shape, and each mlx-fleet application's `args` goes through the
+same AppConfig the CLI uses, so a misspelt key is refused, by name, before
+anything reaches the cluster. Then, like `serve deploy`, the config is PUT to
+the dashboard's Serve API (Ray adds the cluster's auth token when
+RAY_AUTH_MODE=token), and we poll until every replica is healthy, printing
+progress, then the endpoint and the dashboard.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+import yaml
+
+from cluster.config import AppConfig
+
+APP_IMPORT_PATH = "cluster.actors.app:build_app"
+DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
+
+
+class DeployError(ValueError):
+    """The file is wrong (named field, and how to fix it) or the cluster would not take it."""
+
+
+def load_serve_file(path: Path) -> dict:
+    """The file as Ray reads it, checked by Ray's schema and, for our apps, by AppConfig."""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise DeployError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise DeployError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict) or not raw.get("applications"):
+        raise DeployError(f"{path}: no `applications` list; see deploy/serve.yaml for the shape")
+    try:
+        ServeDeploySchema.parse_obj(raw)
+    except Exception as e:  # Ray's pydantic (v1 API) error: its text names the field
+        raise DeployError(f"{path}: not a Serve config: {e}") from None
+    for i, app in enumerate(raw["applications"]):
+        if app.get("import_path") != APP_IMPORT_PATH:
+            continue
+        try:
+            AppConfig.model_validate(app.get("args") or {})
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            raise DeployError(f"{path}: applications[{i}].args.{field}: {err['msg']} "
+                              f"(the fields and what they mean: cluster/config.py, or `mlx-fleet up --help`)") from None
+    return raw
+
+
+def dashboard_address(explicit: Optional[str] = None) -> str:
+    """--address, else RAY_DASHBOARD_ADDRESS, else an http(s) RAY_ADDRESS, else the local head's dashboard."""
+    if explicit and not explicit.startswith(("http://", "https://")):
+        raise DeployError(f"--address {explicit!r}: give the dashboard's URL, e.g. http://<head>:8265")
+    for candidate in (explicit, os.environ.get("RAY_DASHBOARD_ADDRESS"), os.environ.get("RAY_ADDRESS")):
+        if candidate and candidate.startswith(("http://", "https://")):
+            return candidate.rstrip("/")
+    return DEFAULT_DASHBOARD
+
+
+def deploy(path: Path, address: Optional[str] = None, timeout_s: float = 900.0,
+           progress: Callable[[str], None] = print) -> dict:
+    """Deploy `path` and wait until every application runs with healthy replicas; returns Serve's details."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    config = load_serve_file(path)
+    url = dashboard_address(address)
+    try:
+        client = ServeSubmissionClient(url)
+    except ConnectionError as e:
+        raise DeployError(f"no Ray dashboard answers at {url} ({e}); is the cluster up (`ray up`), and is this "
+                          "its head's address (--address http://<head>:8265)?") from None
+    except Exception as e:  # e.g. Ray's AuthenticationError: its message says where the token is looked for
+        raise DeployError(f"the dashboard at {url} refused us: {e}") from None
+    try:
+        client.deploy_applications(config)
+    except Exception as e:
+        raise DeployError(f"the cluster at {url} refused the deploy: {e}") from None
+    progress(f"deploying {len(config['applications'])} application(s) to {url} ...")
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        details = client.get_serve_details()
+        line, done, failed = summarize(details, [a["name"] for a in config["applications"]])
+        if line != last:
+            progress(f"  {line}")
+            last = line
+        if failed:
+            raise DeployError(f"deploy failed: {failed}")
+        if done:
+            return details
+        if time.monotonic() > deadline:
+            raise DeployError(f"not every replica was healthy after {timeout_s:.0f} s: {line}")
+        time.sleep(2)
+
+
+def summarize(details: dict, names: list[str]) -> tuple[str, bool, str]:
+    """(one progress line, every app running with every replica healthy, why it failed or "")."""
+    apps = details.get("applications") or {}
+    parts, done, failed = [], True, ""
+    for name in names:
+        app = apps.get(name) or {}
+        status = app.get("status", "NOT_STARTED")
+        deployments = app.get("deployments") or {}
+        running = sum(1 for d in deployments.values() for r in d.get("replicas") or [] if r.get("state") == "RUNNING")
+        wanted = sum(int((d.get("target_num_replicas") or 0)) for d in deployments.values())
+        parts.append(f"{name}: {status}, {running}/{wanted or '?'} replicas running")
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            failed = f"{name}: {app.get('message') or status}"
+        done = done and status == "RUNNING" and wanted > 0 and running >= wanted
+    return "; ".join(parts), done, failed
+
+
+def endpoint(config: dict, dashboard: str) -> str:
+    """The HTTP endpoint clients use: the head's address, on Serve's port."""
+    port = (config.get("http_options") or {}).get("port", 8000)
+    host = urlparse(dashboard).hostname or "127.0.0.1"
+    return f"http://{host}:{port}/v1"
+
+
+def main(path: str, address: Optional[str], timeout_s: float) -> int:
+    url = dashboard_address(address)
+    details = deploy(Path(path), url, timeout_s)
+    config = load_serve_file(Path(path))
+    print(f"mlx-fleet is deployed: {summarize(details, [a['name'] for a in config['applications']])[0]}")
+    print(f"  endpoint:  {endpoint(config, url)}")
+    print(f"  dashboard: {url}")
+    sys.stdout.flush()
+    return 0
