@@ -36,7 +36,7 @@ class NodeIdentity:
 
 def store_actor_name(node_id: str) -> str:
     """The name of a node's NodeStore actor."""
-    return f"mlxf-store-{node_id}"
+    return f"node-store:{node_id}"
 
 
 def node_name() -> str:

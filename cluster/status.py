@@ -48,7 +48,7 @@ def live_store_stats() -> list[dict]:
     import ray
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a.get("namespace") == RAY_NAMESPACE and a["name"].startswith("mlxf-store-")]
+             if a.get("namespace") == RAY_NAMESPACE and a["name"].startswith("node-store:")]
     refs = [ray.get_actor(name, namespace=RAY_NAMESPACE).stats.remote() for name in names]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STORE_DEADLINE_S) if refs else ([], [])
     out = []

@@ -5,7 +5,7 @@ lookups and read leases are answered from its index, and every block it stores
 or evicts becomes an event. Replicas read pinned block files directly (same
 machine), so restores do not pay for an extra copy through Ray.
 
-It is a detached, named actor per node (`mlxf-store-<node id>` in the
+It is a detached, named actor per node (`node-store:<node id>` in the
 `mlx-fleet` namespace, see node.py) pinned to its node: replicas that restart find the same
 one, and a restarted node rebuilds its index from the files (DiskStore.recover).
 Its stats go to Redis (`mlxf:node:<node id>`, expiring) for `mlx-fleet status`.

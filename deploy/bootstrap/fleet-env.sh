@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Environment of every Ray process on a fleet Mac. Sourced by deploy/cluster.yaml's start commands
 # and by ~/.bashrc (mac-setup.sh adds it), so drivers (`serve deploy`, scripts) see the same.
 MLX_FLEET_HOME="${MLX_FLEET_HOME:-$HOME/mlx-fleet}"

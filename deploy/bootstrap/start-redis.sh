@@ -2,6 +2,7 @@
 # The fleet's shared Redis on the head Mac: LAN-reachable, password-protected, persistent.
 # Prints the redis_url to put into deploy/serve.yaml. Idempotent.
 set -euo pipefail
+# shellcheck source=deploy/bootstrap/fleet-env.sh
 source "$(dirname "$0")/fleet-env.sh"
 deploy/bootstrap/ensure-redis.sh
 dir="$MLX_FLEET_DATA_DIR/redis"; mkdir -p "$dir"

@@ -38,3 +38,8 @@ def test_the_scrape_config_reads_rays_service_discovery_file():
     cfg = yaml.safe_load((DEPLOY / "grafana" / "prometheus.yml").read_text())
     (job,) = cfg["scrape_configs"]
     assert job["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+
+
+def test_every_metric_is_documented():
+    doc = (DEPLOY.parent / "docs" / "metrics.md").read_text()
+    assert [name for name in METRICS if f"`ray_{name}" not in doc] == []

@@ -497,7 +497,7 @@ def test_the_dashboard_shows_the_serve_app_and_the_node_stores(fleet):
         actors = dash.get("/logical/actors", headers=auth).json()["data"]["actors"]
         names = {a.get("name") for a in actors.values()}
         ids = [n["node_id"] for n in fleet.status()["nodes"]]
-        assert {f"mlxf-store-{i}" for i in ids} <= names
+        assert {f"node-store:{i}" for i in ids} <= names
 
 
 # -- fuzzing the schema --------------------------------------------------------------------------------------
