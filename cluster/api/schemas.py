@@ -40,6 +40,7 @@ TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)]
 Number = Union[StrictInt, StrictFloat]
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 Penalty = Annotated[Number, Field(ge=-2.0, le=2.0)]
 ContextSize = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 MAX_TOP_LOGPROBS = 20
@@ -57,73 +58,68 @@ def _unsupported(name: str, why: str):
     return check
 
 
-class StreamOptions(BaseModel):
+class OpenAIObject(BaseModel):
+    """A part of a request body: unknown fields ignored, as OpenAI clients send many optional ones."""
+
     model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIObject):
     include_usage: StrictBool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(OpenAIObject):
     type: Literal["text"]
     text: Text
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCall(OpenAIObject):
     name: Text
     arguments: Text  # JSON, as OpenAI sends it
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(OpenAIObject):
     """A tool call of an earlier assistant turn, as the client sends it back."""
 
-    model_config = ConfigDict(extra="ignore")
     id: Optional[Text] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+class FunctionSpec(OpenAIObject):
+    name: FunctionName
     description: Optional[Text] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[StrictBool] = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Tool(OpenAIObject):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedTool(OpenAIObject):
     name: StrictStr
 
 
-class ToolChoiceFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ToolChoiceFunction(OpenAIObject):
     type: Literal["function"]
     function: NamedTool
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+class JsonSchemaFormat(OpenAIObject):
+    name: FunctionName
     description: Optional[Text] = None
     schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[StrictBool] = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(OpenAIObject):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(OpenAIObject):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Optional[Text] = None
@@ -138,10 +134,9 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class _Sampling(BaseModel):
+class _Sampling(OpenAIObject):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
     model: StrictStr
     max_tokens: Optional[MaxTokens] = None
     temperature: Optional[Temperature] = 1.0
