@@ -132,11 +132,16 @@ class ModelReplica:
             session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
         else:
             session = ColdSession(self.model, self.new_caches)
+        seq = None
         try:
             seq = Sequence(prompt, request.params, self.model, self.tokenizer, session,
                            self.spec.prefill_step_tokens, self.grammars)
-        except ValueError as e:  # what the request asks of this model it cannot do (tools, tool_choice)
-            yield [Failed(str(e), status=400, param="tool_choice" if request.params.tool_choice else "tools")]
+            if seq.grammar is not None:
+                await asyncio.to_thread(seq.compile_grammar)
+        except ValueError as e:  # what the request asks of this model it cannot do (tools, tool_choice, grammar)
+            param = "tool_choice" if request.params.tool_choice else (
+                "tools" if request.params.tools is not None and seq is None else "response_format")
+            yield [Failed(str(e), status=400, param=param)]
             return
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
         ended = False

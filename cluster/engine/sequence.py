@@ -89,6 +89,7 @@ class Sequence:
             self.grammar = tool_call_grammar(tokenizer, json.loads(params.tools), params.tool_choice)
         if self.grammar is not None and grammars is None:
             raise ValueError("this replica cannot constrain decoding (no grammar support)")
+        self._grammar_processor = None
         self.grammars = grammars  # makes the grammar processor of a constrained request (constraints.py)
         self.picker: Optional[TokenPicker] = None  # made on the model thread: it holds MLX arrays
         self.cache: Optional[list] = None
@@ -107,11 +108,18 @@ class Sequence:
     def begin(self) -> None:
         """Restore the cached prefix (model thread): the first thing a sequence does."""
         model_thread.check("Sequence.begin")
-        grammar = self.grammars(self.grammar) if self.grammar is not None else None
-        self.picker = TokenPicker(self.params.sampling, self.prompt, grammar)
+        if self.grammar is not None and self._grammar_processor is None:
+            self.compile_grammar()
+        self.picker = TokenPicker(self.params.sampling, self.prompt, self._grammar_processor)
         self.cache, self.cached_tokens = self.session.restore()
         self.fed = self.prompt[: self.cached_tokens]
         self.begun = True
+
+    def compile_grammar(self) -> None:
+        """Build the grammar's matcher (no MLX: a replica does it off the model thread, as it can take a
+        while for a big schema, and the first one builds the tokenizer's llguidance view)."""
+        if self.grammar is not None and self._grammar_processor is None:
+            self._grammar_processor = self.grammars(self.grammar)
 
     @property
     def prefilled(self) -> bool:
