@@ -18,7 +18,7 @@ DATA_DIR ?=
 DATA_FLAG := $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 UP_FLAGS := --nodes $(NODES) --port $(PORT) $(foreach m,$(MODEL),--model $(m)) $(DATA_FLAG) $(ARGS)
 
-.PHONY: up down status test deps redis fleet-token clean
+.PHONY: up down status test deps redis netns-tools fleet-token clean
 
 up: $(VENV)/.installed-base redis
 	$(BIN)/mlx-fleet up $(UP_FLAGS)
@@ -29,13 +29,17 @@ down: $(VENV)/.installed-base
 status: $(VENV)/.installed-base
 	$(BIN)/mlx-fleet status $(DATA_FLAG)
 
-test: $(VENV)/.installed-test redis
+test: $(VENV)/.installed-test redis netns-tools
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 deps: $(VENV)/.installed-test redis
 
 redis:
 	@deploy/bootstrap/ensure-redis.sh
+
+# What the real `ray up` test needs (tests/deploy/test_ray_up.py); best effort: without it that test skips.
+netns-tools:
+	@tests/deploy/netns/ensure-tools.sh
 
 $(VENV)/bin/python:
 	@test -n "$(PYTHON)" || { echo "mlx-fleet needs Python 3.10-3.13 (e.g. brew install python@3.12); or set PYTHON=/path/to/python3" >&2; exit 1; }
