@@ -42,6 +42,20 @@ def settled_tokens(fleet, before: tuple[int, int], expect_prompt: int, timeout_s
         time.sleep(1)
 
 
+def quiet_tokens(fleet, timeout_s: float = 30.0) -> tuple[int, int]:
+    """The counters once they stop moving: replicas report them every few seconds, so requests that ended
+    just before (the previous test's last ones) may not be in them yet."""
+    deadline = time.monotonic() + timeout_s
+    last = served_tokens(fleet)
+    while time.monotonic() < deadline:
+        time.sleep(3)
+        now = served_tokens(fleet)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def stats_rows(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -69,7 +83,7 @@ def test_plain_locust_needs_only_a_host(fleet, tmp_path):
 
 def test_the_runner_attached_reports_exact_totals_splits_and_files(fleet, tmp_path):
     out = tmp_path / "run"
-    before = served_tokens(fleet)
+    before = quiet_tokens(fleet)
     r = loadtest("--attach", fleet.url, "--users", "4", "--spawn-rate", "4", "--requests", "16",
                  "--verify-fraction", "0.3", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
