@@ -30,10 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
-pytestmark = [pytest.mark.fleet, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.fleet, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET_SH = Path(__file__).resolve().parent / "netns" / "fleet_netns.sh"
@@ -179,6 +180,28 @@ def _cluster_yaml(tmp_path: Path, fleet_dir: Path) -> Path:
     return path
 
 
+def _redis_url(ray_output: str) -> str:
+    """The URL the head's start-redis.sh printed during `ray up` (head_setup_commands)."""
+    found = re.findall(r"redis_url: (redis://\S+)", ray_output)
+    assert found, f"start-redis.sh printed no redis_url:\n{ray_output[-3000:]}"
+    return found[-1]
+
+
+def _serve_yaml(tmp_path: Path, redis_url: str) -> Path:
+    """deploy/serve.yaml with what only a user can fill in: the Redis URL `ray up` printed and a model
+    (a built-in one: nothing to download). Two more changes, for this box: a small RAM budget, and
+    round-robin routing, so six requests in a row reach every mini-host whatever their loads."""
+    doc = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
+    args = doc["applications"][0]["args"]
+    args["models"] = [{"name": "tiny-dense", "source": "tiny-dense"}]
+    args["redis_url"] = redis_url
+    args["cache"]["ram_bytes"] = 256 << 20
+    args["routing"]["policy"] = "round_robin"
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
 def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
     fleet_dir, fleet = mini_hosts
     cluster = _cluster_yaml(tmp_path, fleet_dir)
@@ -238,6 +261,24 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
             assert by_ip[ip]["host"] == name, nodes
             assert by_ip[ip]["labels"].get("mlx-fleet/node") == name, nodes
         print(f"ray up returned after {t_up:.0f} s; {HOSTS} nodes alive after {t_nodes:.0f} s")
+
+        # The app, deployed as users deploy it, then requests through the head's endpoint.
+        redis_url = _redis_url(log.read_text())
+        serve_file = _serve_yaml(tmp_path, redis_url)
+        deploy_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(fleet_dir / "token")}
+        r = _run([str(VENV / "bin" / "mlx-fleet"), "deploy", str(serve_file), "--address",
+                  f"http://{IPS[0]}:8265", "--timeout", "240"], cwd=REPO, env=deploy_env, timeout=300)
+        assert r.returncode == 0, f"mlx-fleet deploy failed:\n{r.stdout}\n{r.stderr}\n{_diagnostics(fleet_dir)}"
+        assert f"endpoint:  http://{IPS[0]}:8000/v1" in r.stdout, r.stdout
+        served = []
+        with httpx.Client(base_url=f"http://{IPS[0]}:8000", timeout=120, trust_env=False) as http:
+            for i in range(2 * HOSTS):
+                res = http.post("/v1/completions", json={"model": "tiny-dense", "prompt": f"across the bridge {i}",
+                                                         "max_tokens": 2})
+                assert res.status_code == 200, res.text
+                served.append(res.headers["x-fleet-node"])
+        assert {node.rsplit("-", 1)[0] for node in served} == set(NAMES), served  # every mini-host served
+        print(f"deployed and served from every mini-host after {time.monotonic() - t0:.0f} s")
     finally:
         r = ray("down", "-y", str(cluster), timeout=90)
         down_rc = r.returncode
