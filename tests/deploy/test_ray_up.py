@@ -187,16 +187,16 @@ def _redis_url(ray_output: str) -> str:
     return found[-1]
 
 
-def _serve_yaml(tmp_path: Path, redis_url: str) -> Path:
+def _serve_yaml(tmp_path: Path, redis_url: str, routing: str = "round_robin") -> Path:
     """deploy/serve.yaml with what only a user can fill in: the Redis URL `ray up` printed and a model
     (a built-in one: nothing to download). Two more changes, for this box: a small RAM budget, and
-    round-robin routing, so six requests in a row reach every mini-host whatever their loads."""
+    first round-robin routing, so six requests in a row reach every mini-host whatever their loads."""
     doc = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
     args = doc["applications"][0]["args"]
     args["models"] = [{"name": "tiny-dense", "source": "tiny-dense"}]
     args["redis_url"] = redis_url
     args["cache"]["ram_bytes"] = 256 << 20
-    args["routing"]["policy"] = "round_robin"
+    args["routing"]["policy"] = routing
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -279,6 +279,32 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
                 served.append(res.headers["x-fleet-node"])
         assert {node.rsplit("-", 1)[0] for node in served} == set(NAMES), served  # every mini-host served
         print(f"deployed and served from every mini-host after {time.monotonic() - t0:.0f} s")
+
+        # Cache affinity across the bridge: the shipped routing again (an update of the running app), and a
+        # long prompt asked three times is never computed again: the node that holds its blocks restores
+        # them, or (when the router moves a request off a busy holder) the node it went to pulls them from
+        # the holder over the bridge.
+        serve_file = _serve_yaml(tmp_path, redis_url, routing="affinity")
+        r = _run([str(VENV / "bin" / "mlx-fleet"), "deploy", str(serve_file), "--address",
+                  f"http://{IPS[0]}:8265", "--timeout", "240"], cwd=REPO, env=deploy_env, timeout=300)
+        assert r.returncode == 0, f"mlx-fleet deploy (affinity) failed:\n{r.stdout}\n{r.stderr}"
+        prompt = " ".join(f"word{i % 97}" for i in range(400))
+        answers = []
+        with httpx.Client(base_url=f"http://{IPS[0]}:8000", timeout=120, trust_env=False) as http:
+            for _ in range(3):
+                res = http.post("/v1/completions", json={"model": "tiny-dense", "prompt": prompt, "max_tokens": 4,
+                                                         "temperature": 0})
+                assert res.status_code == 200, res.text
+                answers.append((res.headers["x-fleet-node"], res.headers["x-fleet-route"],
+                                res.json()["usage"]["prompt_tokens_details"]["cached_tokens"], res.json()["choices"][0]["text"]))
+        holder = answers[0][0]
+        assert answers[0][2] == 0 and all(a[2] > 0 for a in answers[1:]), answers
+        assert any("reason=hit" in a[1] for a in answers[1:]), answers
+        for node, route, _, _ in answers[1:]:
+            if node != holder:  # moved: it must have pulled from the holder, across the bridge
+                assert f"from={holder}" in route and "fetched=0" not in route, answers
+        assert len({a[3] for a in answers}) == 1, answers  # a cached answer is the cold one
+        print(f"affinity across the bridge: {[a[1] for a in answers]} ({time.monotonic() - t0:.0f} s)")
     finally:
         r = ray("down", "-y", str(cluster), timeout=90)
         down_rc = r.returncode
