@@ -47,6 +47,9 @@ METRICS: dict[str, Spec] = {
                                       ("model", "cache_state"), tuple(LATENCY_BOUNDARIES)),
     "mlx_fleet_routes": Spec("counter", "Routing decisions by reason (hit, load, miss, fallback, policy, bypass)",
                              ("model", "reason")),
+    "mlx_fleet_prefix_decisions": Spec("counter", "What became of each request's cached prefix: fetch (pulled "
+                                       "from a peer), local (restored where it was served), recompute",
+                                       ("model", "decision")),
     "mlx_fleet_index_lookup_seconds": Spec("histogram", "Fleet index lookups by the router", ("model",),
                                            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)),
     # replicas
@@ -67,6 +70,7 @@ METRICS: dict[str, Spec] = {
                                            ("model", "node")),
     "mlx_fleet_migrated_blocks": Spec("counter", "Blocks pulled from peers", ("model", "node")),
     "mlx_fleet_migrated_bytes": Spec("counter", "Bytes pulled from peers", ("model", "node")),
+    "mlx_fleet_migration_seconds": Spec("counter", "Seconds spent pulling blocks from peers", ("model", "node")),
     "mlx_fleet_migration_failures": Spec("counter", "Pulls from peers that failed (recomputed instead)",
                                          ("model", "node")),
     "mlx_fleet_redis_errors": Spec("counter", "Redis calls that failed, by component", ("node", "component")),
@@ -177,6 +181,7 @@ def export_replica(exp: StatsExporter, s: dict) -> None:
     migration = cache.get("migration") or {}
     exp.total("mlx_fleet_migrated_blocks", migration.get("blocks"), **tags)
     exp.total("mlx_fleet_migrated_bytes", migration.get("bytes"), **tags)
+    exp.total("mlx_fleet_migration_seconds", migration.get("seconds"), **tags)
     exp.total("mlx_fleet_migration_failures", migration.get("failures"), **tags)
     exp.total("mlx_fleet_redis_errors", (cache.get("index") or {}).get("errors"), node=tags["node"],
               component="index_publisher")

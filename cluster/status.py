@@ -49,7 +49,12 @@ def live_store_stats() -> list[dict]:
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == RAY_NAMESPACE and a["name"].startswith("node-store:")]
-    refs = [ray.get_actor(name, namespace=RAY_NAMESPACE).stats.remote() for name in names]
+    refs = []
+    for name in names:
+        try:
+            refs.append(ray.get_actor(name, namespace=RAY_NAMESPACE).stats.remote())
+        except ValueError:  # listed, then gone: its node died in between (the list is not a snapshot)
+            continue
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=STORE_DEADLINE_S) if refs else ([], [])
     out = []
     for ref in ready:

@@ -32,9 +32,19 @@ class RequestTiming:
                             cache_state=self.state)
         reason = dict(p.split("=", 1) for p in run.route.split()[1:] if "=" in p).get("reason", "")
         metrics.inc("mlx_fleet_routes", model=self.model, reason=reason)
+        metrics.inc("mlx_fleet_prefix_decisions", model=self.model, decision=prefix_decision(started))
 
     def done(self) -> None:
         if not self._done:
             self._done = True
             metrics.observe("mlx_fleet_request_seconds", time.monotonic() - self.t0, model=self.model,
                             cache_state=self.state)
+
+
+def prefix_decision(started) -> str:
+    """What became of the request's cached prefix: pulled from a peer ("fetch"), restored from the serving
+    node's own tiers ("local"), or computed with the rest ("recompute"). Counted from what the replica
+    did, once per request, so a planned pull that failed counts as the recompute it became."""
+    if started is not None and started.fetched_tokens > 0:
+        return "fetch"
+    return "local" if started is not None and started.cached_tokens > 0 else "recompute"

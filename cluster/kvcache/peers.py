@@ -29,7 +29,7 @@ class PeerClient:
         self.chunk_bytes = chunk_bytes
         self.local_stores = local_stores
         self.link_bps: dict[str, float] = {}  # peer node id -> measured bytes/s
-        self.counters = {"fetches": 0, "blocks": 0, "bytes": 0, "failures": 0}
+        self.counters = {"fetches": 0, "blocks": 0, "bytes": 0, "failures": 0, "seconds": 0.0}
 
     def fetch(self, peer: str, keys: list[bytes], block_bytes: int, deadline_s: float) -> list[Optional[object]]:
         """The blocks under `keys` from `peer`, in order; stops at the first it cannot get (the rest are None)."""
@@ -74,4 +74,5 @@ class PeerClient:
         self.counters["fetches"] += 1
         self.counters["blocks"] += len(out)
         self.counters["bytes"] += nbytes
+        self.counters["seconds"] = round(self.counters["seconds"] + seconds, 6)
         return out + [None] * (len(keys) - len(out))

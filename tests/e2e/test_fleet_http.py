@@ -592,7 +592,8 @@ def test_prometheus_shows_the_fleets_metrics_and_they_add_up(fleet, client):
             ("ray_mlx_fleet_requests_total", {"model": OTHER, "code": "200"}),
             ("ray_mlx_fleet_ttft_seconds_count", {"model": OTHER}),
             ("ray_mlx_fleet_request_seconds_count", {"model": OTHER}),
-            ("ray_mlx_fleet_routes_total", {"model": OTHER}))}
+            ("ray_mlx_fleet_routes_total", {"model": OTHER}),
+            ("ray_mlx_fleet_prefix_decisions_total", {"model": OTHER}))}
         if grew["ray_mlx_fleet_tokens_total"] >= seen_cached and grew["ray_mlx_fleet_requests_total"] >= n \
                 or time.monotonic() > deadline:
             break
@@ -600,6 +601,7 @@ def test_prometheus_shows_the_fleets_metrics_and_they_add_up(fleet, client):
     assert grew["ray_mlx_fleet_tokens_total"] == seen_cached, grew
     assert grew["ray_mlx_fleet_requests_total"] == n and grew["ray_mlx_fleet_routes_total"] == n, grew
     assert grew["ray_mlx_fleet_ttft_seconds_count"] == n and grew["ray_mlx_fleet_request_seconds_count"] == n, grew
+    assert grew["ray_mlx_fleet_prefix_decisions_total"] == n, grew
     names = {name for _, name, _ in now}
     assert {"ray_mlx_fleet_cache_blocks", "ray_mlx_fleet_cache_bytes", "ray_mlx_fleet_replica_sequences",
             "ray_mlx_fleet_replica_queued_tokens"} <= names, sorted(names)
