@@ -86,6 +86,9 @@ class ModelSpec(_Config):
         None, ge=16, description="Context window in tokens. Default: the model config's max_position_embeddings.",
     )
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none (clipped to the context left).")
+    default_temperature: float = Field(
+        0.0, ge=0.0, description="temperature when a request gives none. 0 (greedy), as mlx_lm.server's --temp; OpenAI's API uses 1.0.",
+    )
     max_ongoing_requests: int = Field(16, ge=1, le=1024, description="Requests one replica takes at once (batched, or in turns); more wait in the router.")
     num_replicas: Optional[int] = Field(
         None, ge=0, description="Replicas of this model. Default: one per fleet node (nodes with the mlx_fleet resource).",

@@ -69,7 +69,7 @@ class ModelReplica:
         self.lease = None
         if app.redis_url:
             self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats,
-                                     app.redis)
+                                     app.redis, node_name=self.node.name)
             if self.cache.cache is not None:
                 self.publisher = self._publish(app)
         self.exporter = metrics.StatsExporter()
@@ -139,8 +139,7 @@ class ModelReplica:
             if seq.grammar is not None:
                 await asyncio.to_thread(seq.compile_grammar)
         except ValueError as e:  # what the request asks of this model it cannot do (tools, tool_choice, grammar)
-            param = "tool_choice" if request.params.tool_choice else (
-                "tools" if request.params.tools is not None and seq is None else "response_format")
+            param = getattr(e, "param", None) or ("tool_choice" if request.params.tool_choice else "response_format")
             yield [Failed(str(e), status=400, param=param)]
             return
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))

@@ -122,7 +122,7 @@ class ServedModel:
                 code="context_length_exceeded")
         max_tokens = requested if requested is not None else min(self.spec.default_max_tokens, room)
         sampling = SamplingParams(
-            temperature=float(_or(body.temperature, 1.0)), top_p=float(_or(body.top_p, 1.0)),
+            temperature=float(_or(body.temperature, self.spec.default_temperature)), top_p=float(_or(body.top_p, 1.0)),
             top_k=_or(body.top_k, 0), min_p=float(_or(body.min_p, 0.0)), seed=body.seed,
             logit_bias=self._logit_bias(body.logit_bias),
             repetition_penalty=float(_or(body.repetition_penalty, 0.0)),

@@ -139,7 +139,7 @@ class _Sampling(OpenAIObject):
 
     model: StrictStr
     max_tokens: Optional[MaxTokens] = None
-    temperature: Optional[Temperature] = 1.0
+    temperature: Optional[Temperature] = None  # the model's default_temperature (0, as mlx_lm.server)
     top_p: Optional[TopP] = 1.0
     n: Optional[StrictInt] = 1
     stream: Optional[StrictBool] = False

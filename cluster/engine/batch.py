@@ -108,6 +108,7 @@ class DecodeBatch:
         self._kinds: Optional[tuple] = None  # per-sequence cache classes of the rows
         self._in_flight: list[Sequence] = []
         self._logprobs: list = []  # each row's pending logprobs for `_y` (None: not asked for)
+        self._failed: dict[int, Exception] = {}  # id(row) -> why its processors failed (it fails alone)
 
     def __len__(self) -> int:
         return sum(1 for s in self.rows if not s.done)
@@ -121,10 +122,11 @@ class DecodeBatch:
         model_thread.check("DecodeBatch.step")
         old_rows, old_y, old_logprobs = self.rows, self._y, self._logprobs
         self._in_flight = old_rows + joiners  # until read back: what fail_all must fail
-        keep = [i for i, s in enumerate(old_rows) if not s.done and s.room_after_next]
+        going = [not s.done and id(s) not in self._failed for s in old_rows]  # a failed row goes at once
+        keep = [i for i, s in enumerate(old_rows) if going[i] and s.room_after_next]
         if len(keep) < len(old_rows):
             for i, s in enumerate(old_rows):
-                if not s.done and i not in keep:  # its last token is pending: no forward, but the session
+                if going[i] and i not in keep:  # its last token is pending: no forward, but the session
                     s.session.observe(RowCaches(self.caches, i), s.fed)  # sees its cache once more, as alone
             self._filter(keep)
         rows = [old_rows[i] for i in keep]
@@ -164,6 +166,7 @@ class DecodeBatch:
     def clear(self) -> None:
         """Forget every row and free the batched caches."""
         self.rows, self.caches, self._y, self._kinds, self._in_flight, self._logprobs = [], None, None, None, [], []
+        self._failed = {}
 
     # -----------------------------------------------------------------------
     def _filter(self, keep: list[int]) -> None:
@@ -192,7 +195,7 @@ class DecodeBatch:
             if s.params.record_logits:
                 s.logits.append(logits[i])
         if any(s.picker.processors for s in rows):
-            logits = mx.concatenate([s.picker.process(inputs[i:i + 1], logits[i:i + 1]) for i, s in enumerate(rows)])
+            logits = mx.concatenate([self._process(s, inputs[i:i + 1], logits[i:i + 1]) for i, s in enumerate(rows)])
         logprobs = normalize(logits)
         if all(s.params.sampling.greedy for s in rows):
             y = mx.argmax(logprobs, axis=-1)
@@ -202,6 +205,15 @@ class DecodeBatch:
         mx.async_eval(y, *(a for p in self._logprobs if p is not None for a in p.arrays()))
         return y
 
+    def _process(self, s: Sequence, inputs: mx.array, logits: mx.array) -> mx.array:
+        """One row's processors; if they raise (a grammar the model broke, say), the row fails when its
+        token is read back, and the other rows go on with their own logits."""
+        try:
+            return s.picker.process(inputs, logits)
+        except Exception as e:
+            self._failed[id(s)] = e
+            return logits
+
     def _read(self, old_rows: list[Sequence], old_y: Optional[mx.array], old_logprobs: list,
               new_index: dict[int, int]) -> list[tuple[Sequence, list[Event]]]:
         """Read back the previous step's tokens and turn them into each row's events."""
@@ -210,9 +222,12 @@ class DecodeBatch:
         out = []
         for i, token in enumerate(old_y.tolist()):
             s = old_rows[i]
+            failure = self._failed.pop(id(s), None)
             if s.done:  # cancelled or stopped: its token is not wanted
                 continue
             try:
+                if failure is not None:
+                    raise failure
                 if i in new_index:  # the token was fed back: the cache now holds it
                     s.fed[-1] = token
                     s.session.observe(RowCaches(self.caches, new_index[i]), s.fed)

@@ -89,5 +89,16 @@ def tool_call_grammar(tokenizer, tools: list, name: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-class ToolChoiceUnsupported(ValueError):
+class Unservable(ValueError):
+    """What a request asks of this model that it cannot do (a 400 naming `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class ToolChoiceUnsupported(Unservable):
     """The client forced a tool call this model's markup cannot be constrained to (a 400)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "tool_choice")

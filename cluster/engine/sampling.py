@@ -29,6 +29,9 @@ from cluster.engine.logprobs import TokenLogprob
 from cluster.engine.request import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+# A token the grammar or logit_bias masks has logprob -inf, which JSON cannot carry; like vLLM's OpenAI
+# server, report it as this (a probability that is exactly 0 in float32 anyway).
+MIN_LOGPROB = -9999.0
 
 
 class LogprobsPending:
@@ -47,9 +50,9 @@ class LogprobsPending:
     def read(self, token: int) -> TokenLogprob:
         top = ()
         if self.top_ids is not None:
-            pairs = zip(self.top_ids.tolist(), self.top_values.tolist())
+            pairs = zip(self.top_ids.tolist(), (max(v, MIN_LOGPROB) for v in self.top_values.tolist()))
             top = tuple(sorted(pairs, key=lambda p: (-p[1], p[0])))
-        return TokenLogprob(token, float(self.chosen.item()), top)
+        return TokenLogprob(token, max(float(self.chosen.item()), MIN_LOGPROB), top)
 
 
 class TokenPicker:

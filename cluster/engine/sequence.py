@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from cluster.engine import model_thread
-from cluster.engine.constraints import tool_call_grammar
+from cluster.engine.constraints import Unservable, tool_call_grammar
 from cluster.engine.events import Delta, Event, Finished, Started
 from cluster.engine.request import GenerationParams
 from cluster.engine.sampling import LogprobsPending, TokenPicker
@@ -81,7 +81,7 @@ class Sequence:
         self.tool_calls = None
         if params.tools is not None:
             if not getattr(tokenizer, "has_tool_calling", False):
-                raise ValueError("this model's chat template has no tool calling")
+                raise Unservable("this model's chat template has no tool calling", "tools")
             self.tool_calls = ToolCallSplitter(tokenizer.tool_call_start, tokenizer.tool_call_end,
                                                tokenizer.tool_parser, json.loads(params.tools))
         self.grammar = params.sampling.grammar

@@ -19,7 +19,7 @@ def error_of(cls, body):
 
 def test_defaults_follow_openai():
     r = chat()
-    assert (r.temperature, r.top_p, r.n, r.stream, r.requested_max_tokens()) == (1.0, 1.0, 1, False, None)
+    assert (r.temperature, r.top_p, r.n, r.stream, r.requested_max_tokens()) == (None, 1.0, 1, False, None)
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).requested_max_tokens() == 16
 
 

@@ -1,8 +1,8 @@
 """Everything a client of mlx_lm.server asks for, against mlx_lm.server itself, in the same test.
 
 One fleet and one mlx_lm.server on the same built-in model (the same files): each
-request goes to both, greedy text must be identical and logprobs equal within
-1e-4. Then tool calling (forced with tool_choice, streaming and not, and the next
+request goes to both, with logprobs: the text must be identical and logprobs
+equal within 1e-4, for every sampling parameter and for the defaults. Then tool calling (forced with tool_choice, streaming and not, and the next
 turn with the tool's answer), JSON mode and the 400s.
 """
 
@@ -72,12 +72,18 @@ GREEDY = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0.0}
     {"temperature": 0.8, "min_p": 0.2, "seed": 4},
     {"temperature": 1.0, "top_p": 0.7, "seed": 5},
     {"tools": TOOLS},  # the tools rendered into the prompt by the template, as mlx_lm.server renders them
-], ids=lambda e: "+".join(e) or "plain")
-def test_sampling_parameters_give_mlx_lm_servers_tokens(fleet, reference, extra):
-    ours, theirs = both(fleet, reference, {**GREEDY, **extra})
+    {"temperature": None},  # left out: both default to greedy
+], ids=lambda e: "+".join(f"{k}=default" if v is None else k for k, v in e.items()) or "plain")
+def test_sampling_parameters_give_mlx_lm_servers_tokens_and_logprobs(fleet, reference, extra):
+    body = {k: v for k, v in {**GREEDY, **extra, "logprobs": True}.items() if v is not None}
+    ours, theirs = both(fleet, reference, body)
     assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
     assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
     assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    mine = [t["logprob"] for t in ours["choices"][0]["logprobs"]["content"]]
+    ref = [t["logprob"] for t in theirs["choices"][0]["logprobs"]["content"]]
+    assert len(mine) == ours["usage"]["completion_tokens"]
+    assert mine == pytest.approx(ref, abs=1e-4)
 
 
 def test_logprobs_equal_mlx_lm_servers(fleet, reference):

@@ -166,3 +166,28 @@ def test_the_batch_frees_its_caches_when_its_last_rows_stop(load_builtin, schedu
         time.sleep(0.05)
     assert scheduler.run(lambda: (scheduler._batch.caches, scheduler._batch.rows, scheduler.load()["active"])) == \
         (None, [], 0)
+
+
+class BreaksAt:
+    """A logits processor that raises at its n-th call, as a grammar the model broke does."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, tokens, logits):
+        self.calls += 1
+        if self.calls == self.n:
+            raise ValueError("injected: the grammar broke")
+        return logits
+
+
+def test_a_row_whose_processors_fail_fails_alone(load_builtin, scheduler):
+    model, tok = scheduler.run(lambda: load_builtin("tiny-dense"))
+    solo = scheduler.run(lambda: [tokens(run_alone(seq(model, tok, p, 12))) for p in PROMPTS[:2]])
+    broken = seq(model, tok, PROMPTS[2], 12)
+    broken._grammar_processor = BreaksAt(4)  # as a compiled grammar is handed to its picker
+    events = serve_all(scheduler, [seq(model, tok, PROMPTS[0], 12), broken, seq(model, tok, PROMPTS[1], 12)])
+    assert isinstance(events[1][-1], Failed) and "injected" in events[1][-1].message
+    assert [tokens(events[0]), tokens(events[2])] == solo
+    assert all(isinstance(e[-1], Finished) for e in (events[0], events[2]))
+    assert scheduler.run(lambda: (scheduler.load()["active"], scheduler._batch._failed)) == (0, {})

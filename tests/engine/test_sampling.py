@@ -13,9 +13,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from cluster.engine.cold_session import ColdSession
-from cluster.engine.constraints import Grammars
+from cluster.engine.constraints import Grammars, Unservable
 from cluster.engine.events import Delta
 from cluster.engine.request import GenerationParams, SamplingParams
+from cluster.engine.sampling import MIN_LOGPROB
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from tests.engine.batching import run_alone, serve_all, tokens
@@ -98,6 +99,10 @@ def test_a_grammar_holds_in_a_batch(load_builtin, scheduler):
     for e in events[:3]:
         text = "".join(x.text for x in e if isinstance(x, Delta))
         assert set(json.loads(text)) == {"n"} and e[-1].finish_reason == "stop"
+        # The tokens the grammar masks are -inf: reported as JSON can carry them (a 500 otherwise)
+        lps = [lp for x in e if isinstance(x, Delta) for lp in x.logprobs]
+        json.dumps([(lp.logprob, lp.top) for lp in lps], allow_nan=False)
+        assert any(v == MIN_LOGPROB for lp in lps for _, v in lp.top)
 
 
 def test_tools_need_a_template_with_tool_calling(load_builtin, scheduler):
@@ -106,5 +111,7 @@ def test_tools_need_a_template_with_tool_calling(load_builtin, scheduler):
     model, tok = scheduler.run(lambda: load_builtin(MODEL))
     assert tok.has_tool_calling  # the built-in template renders tools as Qwen 2.5 does
     plain = TokenizerWrapper(tok._tokenizer)  # the same tokenizer, without tool calling
-    with pytest.raises(ValueError, match="no tool calling"):
-        Sequence(PROMPT, GenerationParams(max_tokens=4, tools="[]"), model, plain, ColdSession(model))
+    with pytest.raises(Unservable, match="no tool calling") as refused:
+        Sequence(PROMPT, GenerationParams(max_tokens=4, tools="[]", tool_choice="get_time"), model, plain,
+                 ColdSession(model))
+    assert refused.value.param == "tools"  # the replica's 400 names it, even with a tool_choice
