@@ -11,9 +11,13 @@ guard makes the rule visible off a Mac:
   the end;
 - `check(what)` at our own MLX entry points raises WrongThread off a model
   thread;
-- with MLX_FLEET_THREAD_GUARD=1 (the tests set it), `mx.eval` and
-  `mx.async_eval` are wrapped too, so any evaluation anywhere - ours or
-  mlx-lm's - is checked while a model thread exists in the process.
+- with MLX_FLEET_THREAD_GUARD=1 (the tests set it), `mx.eval`,
+  `mx.async_eval` and the reads that evaluate implicitly (`.item()`,
+  `.tolist()`) are wrapped too, so any evaluation anywhere - ours or
+  mlx-lm's - is checked while a model thread exists in the process. The
+  conversions that go through type slots (`np.array(x)` by the buffer
+  protocol, `float(x)`) cannot be wrapped from Python; `check()` at our own
+  entry points covers the code that makes them.
 
 With no model thread claimed (a script, a test driving the engine directly),
 nothing is checked. The guard is off in production: it costs a dict lookup per
@@ -82,6 +86,16 @@ def _install() -> None:
 
             guarded.__wrapped__ = original
             setattr(mx, name, guarded)
+        # Reading an array evaluates it too: .item() and .tolist().
+        for name in ("item", "tolist"):
+            original = getattr(mx.array, name)
+
+            def guarded_method(self, *args, _original=original, _name=name, **kwargs):
+                check(f"mx.array.{_name}")
+                return _original(self, *args, **kwargs)
+
+            guarded_method.__wrapped__ = original
+            setattr(mx.array, name, guarded_method)
         _installed = True
 
 

@@ -58,7 +58,10 @@ class DiskClient:
         self.read_timeout_s = read_timeout_s
         self.breaker = breaker or Breaker()
         self.on_disk: set[bytes] = set()
-        self.disk_bytes = 0  # bytes of this namespace's blocks on the node's disk (from the store's events)
+        # Each block's size as the store's events and resyncs report it. A map, not a running sum: a
+        # resync's key list already holds the events read with it, and applying them again is a no-op.
+        self._sizes: dict[bytes, int] = {}
+        self.disk_bytes = 0  # bytes of this namespace's blocks on the node's disk: sum(self._sizes)
         self._queue: deque[tuple[bytes, np.ndarray]] = deque()
         self._queued: set[bytes] = set()
         self._pending_bytes = 0
@@ -106,8 +109,9 @@ class DiskClient:
                 if failure is not None:
                     failed.append(failure)
                     self.counters["read_errors"] += 1
-                    with self._cond:
-                        self.on_disk.discard(key)
+                    if failure.bad_content or failure.reason == "ENOENT":  # gone, or about to be quarantined
+                        with self._cond:
+                            self.on_disk.discard(key)
                 elif data is not None:
                     good.append(key)
                 self.counters["disk_hits" if data is not None else "disk_misses"] += 1
@@ -252,7 +256,8 @@ class DiskClient:
                     held = self.link.holdings(self.ns)  # read after the batch: see events.py
                     with self._cond:
                         self.on_disk = {key for key, *_ in held}
-                        self.disk_bytes = sum(size for *_, size in held)
+                        self._sizes = {key: size for key, *_, size in held}
+                        self.disk_bytes = sum(self._sizes.values())
                     self.counters["resyncs"] += 1
                     if self.on_resync is not None:
                         self.on_resync(held)
@@ -273,10 +278,11 @@ class DiskClient:
             for e in mine:
                 if e.event == "stored":
                     self.on_disk.add(e.key)
-                    self.disk_bytes += e.nbytes
+                    self.disk_bytes += e.nbytes - self._sizes.get(e.key, 0)
+                    self._sizes[e.key] = e.nbytes
                 else:
                     self.on_disk.discard(e.key)
-                    self.disk_bytes -= e.nbytes
+                    self.disk_bytes -= self._sizes.pop(e.key, 0)
                 self.counters["events_applied"] += 1
         if mine and self.on_events is not None:
             self.on_events(mine)

@@ -25,6 +25,10 @@ def test_mlx_work_off_the_model_thread_trips_the_guard(load_builtin):
         assert scheduler.run(work) == 9.0  # on the model thread: fine
         with pytest.raises(WrongThread, match="model thread"):
             mx.eval(mx.array([1.0]) + 1)  # the main thread, while a model thread exists
+        lazy = mx.array([1.0]) + 1
+        for read in (lambda: lazy.item(), lambda: lazy.tolist()):
+            with pytest.raises(WrongThread, match="mx.array"):
+                read()  # reading an array evaluates it: checked too
         seq = Sequence([3, 4, 5], GenerationParams(max_tokens=2), model, tok, ColdSession(model))
         with pytest.raises(WrongThread):
             seq.step()  # our own entry points check too

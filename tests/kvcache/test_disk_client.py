@@ -113,3 +113,40 @@ def test_the_client_knows_how_many_bytes_its_namespace_holds_on_disk(tmp_path):
     client.sync_events()
     assert client.disk_bytes == store.index.bytes == 3 * len(blocks[0][2])
     client.close()
+
+
+def test_the_byte_count_is_right_for_a_client_that_joins_a_full_disk_and_after_every_gap(tmp_path):
+    """A resync's key list already holds the events read with it: counting them again doubled the bytes."""
+    blocks = chain(6)
+    store = DiskStore(tmp_path / "node", budget=4 * len(blocks[0][2]), events_kept=3)
+    store.write_many(blocks[:3])
+    client = client_for(store)  # a replica (re)starting next to a running node store
+    client.sync_events()
+    assert client.disk_bytes == store.index.bytes == 3 * len(blocks[0][2])
+    store.write_many(blocks[3:])  # 3 stored and 2 evicted: more events than kept, a gap
+    client.sync_events()
+    assert client.stats()["resyncs"] == 2
+    assert client.disk_bytes == store.index.bytes == 4 * len(blocks[0][2])
+    assert client.on_disk == set(store.keys(NS))
+    client.close()
+
+
+def test_a_transient_read_error_leaves_the_block_known_on_disk(tmp_path, monkeypatch):
+    """EMFILE and the like are a miss for this read only: the block stays known, so RAM hits keep it hot."""
+    import errno
+
+    blocks = chain(2)
+    store = DiskStore(tmp_path / "node", budget=1 << 30)
+    store.write_many(blocks)
+    client = client_for(store)
+    client.sync_events()
+
+    def too_many_files(path, size):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr("cluster.store.block_files.read_file", too_many_files)
+    assert client.get_many([k for _, k, _ in blocks]) == [None, None]
+    assert client.on_disk == {k for _, k, _ in blocks} and client.stats()["read_errors"] == 2
+    client.touch([blocks[0][1]])
+    assert client._touches == {blocks[0][1]}
+    client.close()

@@ -7,15 +7,15 @@ import pytest
 from cluster.kvcache import prefix_cache
 from cluster.store import block_format
 from cluster.store.block_format import Block
-from cluster.store.hashing import chain_ids
+from cluster.store.hashing import chain_ids, state_key
 from tests.kvcache.conftest import prompt_of
 
 B = 32
 
 
-def reencode(h, key, ids, index, **change) -> None:
+def reencode(h, key, ids, index, kind="kv", **change) -> None:
     """Replace block `index` in RAM by a re-encoded copy with `change` applied (checksums all valid)."""
-    blk = h.pc.decode(h.pc.tiers.ram.get(key), "kv", index, ids)
+    blk = h.pc.decode(h.pc.tiers.ram.get(key), kind, index, ids)
     fields = dict(kind=blk.kind, namespace=blk.namespace, id=blk.id, parent=blk.parent, start=blk.start,
                   tokens=blk.tokens, layout=blk.layout, dtype=blk.dtype, codec=blk.codec,
                   entries=[[(t, np.array(a)) for t, a in arrays] for arrays in blk.entries])
@@ -105,3 +105,57 @@ def test_an_unexpected_exception_while_decoding_is_a_miss(harness, monkeypatch):
     monkeypatch.setattr(h.pc, "decode", real)
     assert warm.cached == 2 * B and h.pc.counters.corrupt["unexpected"] == 1
     h.assert_same(warm, h.cold(prompt))
+
+
+def one_array_as_float16(entries):
+    """One array of one entry in float16, the header still saying float32: only the per-array check sees it."""
+    (tag, a), *rest = entries[0]
+    return [[("float16", a.astype(np.float16)), *rest]] + entries[1:]
+
+
+def test_an_array_of_the_wrong_dtype_is_refused_by_the_payload_check(harness):
+    h = harness("tiny-dense", block_tokens=B)
+    prompt = prompt_of(150)
+    h.warm(prompt, max_tokens=2)
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    blk = h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+    reencode(h, ids[1], ids, 1, entries=one_array_as_float16([[(t, np.array(a)) for t, a in e] for e in blk.entries]))
+    with pytest.raises(block_format.BadDtype, match="entry 0 has a float16 array"):
+        h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+    warm = h.warm(prompt)
+    assert warm.cached == B and h.pc.counters.corrupt["dtype"] == 1
+    h.assert_same(warm, h.cold(prompt))
+
+
+def cut_last_axis(arrays):
+    (tag, a), *rest = arrays
+    return [(tag, np.ascontiguousarray(a[..., : a.shape[-1] // 2])), *rest]
+
+
+def cut_rows(arrays):
+    return [(tag, np.ascontiguousarray(a[:, :, : a.shape[2] // 2, :])) for tag, a in arrays]
+
+
+@pytest.mark.parametrize("model,kind,layer_kind,cut", [
+    ("tiny-swa", "kv", "sliding", cut_rows),  # a sliding layer's stored tail with half its rows
+    ("tiny-hybrid", "state", "recurrent", cut_last_axis),  # a recurrent state of the wrong shape
+])
+def test_a_sliding_tail_or_a_recurrent_state_of_the_wrong_shape_is_refused(harness, model, kind, layer_kind, cut):
+    h = harness(model, block_tokens=B)
+    prompt = prompt_of(150)
+    h.warm(prompt, max_tokens=2)
+    full = h.warm(prompt, max_tokens=2).cached
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    index = 1 if kind == "kv" else max(j for j in range(len(ids)) if h.pc.tiers.ram.get(state_key(ids[j])) is not None)
+    key = ids[index] if kind == "kv" else state_key(ids[index])
+    blk = h.pc.decode(h.pc.tiers.ram.get(key), kind, index, ids)
+    layer = next(i for i, spec in enumerate(h.pc.layout.layers) if spec.kind == layer_kind)
+    entries = [[(t, np.array(a)) for t, a in e] for e in blk.entries]
+    entries[layer] = cut(entries[layer])
+    reencode(h, key, ids, index, kind, entries=entries)
+    with pytest.raises(block_format.BadShape, match=f"entry {layer} has an array of shape"):
+        h.pc.decode(h.pc.tiers.ram.get(key), kind, index, ids)
+    warm = h.warm(prompt)
+    assert warm.cached < full and h.pc.counters.corrupt["shape"] == 1
+    h.assert_same(warm, h.cold(prompt))
+    assert h.warm(prompt).cached == full  # the refused block was dropped, recomputed and stored again
