@@ -90,22 +90,10 @@ def serve_replicas(models: list[str]) -> dict[str, int]:
     return out
 
 
-def fleet_status(redis_url: Optional[str], models: list[str], data_dir: Optional[str] = None) -> dict:
-    from cluster.store.leases import read_leases
-    from cluster.store.redis_client import connect, redact
-
-    replicas: list[dict] = []
-    published: list[dict] = []
-    redis_state = {"url": redact(redis_url), "reachable": False, "error": None}
-    if redis_url:
-        try:
-            client = connect(redis_url)
-            replicas = read_leases(client)
-            published = published_store_stats(client)
-            client.close()
-            redis_state["reachable"] = True
-        except Exception as e:  # status must still answer when Redis is down
-            redis_state["error"] = redact(f"{type(e).__name__}: {e}")
+def fleet_status(redis_url: Optional[str], models: list[str], data_dir: Optional[str] = None,
+                 redis_settings=None) -> dict:
+    """`redis_settings`: the app's RedisConfig (password, TLS CA, timeouts), as the replicas connect."""
+    replicas, published, redis_state = from_redis(redis_url, redis_settings)
     redis_state.update(_supervised(data_dir))
     stores = {s["ray_node_id"]: s for s in published if s.get("ray_node_id")}
     stores.update({s["ray_node_id"]: s for s in live_store_stats() if s.get("ray_node_id")})
@@ -115,7 +103,8 @@ def fleet_status(redis_url: Optional[str], models: list[str], data_dir: Optional
         n["node_id"] = disk.get("node_id") if disk else None
         n["disk"] = disk
     out = {"nodes": nodes, "replicas": replicas, "redis": redis_state,
-           "fleet": fleet_numbers(replicas, _gateways(redis_url), _index_size(redis_url, replicas))}
+           "fleet": fleet_numbers(replicas, _gateways(redis_url, redis_settings),
+                                  _index_size(redis_url, replicas, redis_settings))}
     if redis_state["reachable"]:
         out["replicas_source"] = "leases"
         per_model = {m: sorted(r["node_id"] for r in replicas if r.get("model") == m) for m in models}
@@ -125,6 +114,25 @@ def fleet_status(redis_url: Optional[str], models: list[str], data_dir: Optional
         counts = serve_replicas(models)
         out["models"] = [{"name": m, "replicas": counts[m], "nodes": None} for m in models]
     return out
+
+
+def from_redis(redis_url: Optional[str], settings=None) -> tuple[list[dict], list[dict], dict]:
+    """(replica leases, node stores' published stats, Redis's state); empty lists when Redis is away."""
+    from cluster.store.leases import read_leases
+    from cluster.store.redis_client import connect, redact
+
+    state = {"url": redact(redis_url), "reachable": False, "error": None}
+    if not redis_url:
+        return [], [], state
+    try:
+        client = connect(redis_url, settings)
+        replicas, published = read_leases(client), published_store_stats(client)
+        client.close()
+        state["reachable"] = True
+        return replicas, published, state
+    except Exception as e:  # status must still answer when Redis is down
+        state["error"] = redact(f"{type(e).__name__}: {e}")
+        return [], [], state
 
 
 def fleet_numbers(replicas: list[dict], gateways: list[dict], index: dict) -> dict:
@@ -159,7 +167,7 @@ def fleet_numbers(replicas: list[dict], gateways: list[dict], index: dict) -> di
     }
 
 
-def _gateways(redis_url: Optional[str]) -> list[dict]:
+def _gateways(redis_url: Optional[str], settings=None) -> list[dict]:
     if not redis_url:
         return []
     import msgpack
@@ -168,7 +176,7 @@ def _gateways(redis_url: Optional[str]) -> list[dict]:
     from cluster.store.redis_client import connect
 
     try:
-        client = connect(redis_url)
+        client = connect(redis_url, settings)
         keys = sorted(client.scan_iter(match=gateway_pattern(), count=1000))
         out = [msgpack.unpackb(raw, strict_map_key=False) for raw in (client.mget(keys) if keys else []) if raw]
         client.close()
@@ -177,7 +185,7 @@ def _gateways(redis_url: Optional[str]) -> list[dict]:
         return []
 
 
-def _index_size(redis_url: Optional[str], replicas: list[dict]) -> dict:
+def _index_size(redis_url: Optional[str], replicas: list[dict], settings=None) -> dict:
     """Index entries per model namespace and node."""
     namespaces = {(r.get("cache") or {}).get("namespace_hex") for r in replicas} - {None}
     if not redis_url or not namespaces:
@@ -186,7 +194,7 @@ def _index_size(redis_url: Optional[str], replicas: list[dict]) -> dict:
     from cluster.store.redis_client import connect
 
     try:
-        index = FleetIndex(connect(redis_url))
+        index = FleetIndex(connect(redis_url, settings))
         return {ns[:16]: index.size(bytes.fromhex(ns)) for ns in sorted(namespaces)}
     except Exception:
         return {}

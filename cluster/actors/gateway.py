@@ -122,7 +122,7 @@ class Gateway:
     @app.get("/v1/fleet/status")
     async def status(self) -> dict:
         return await asyncio.to_thread(fleet_status, self.config.redis_url, [m.name for m in self.config.models],
-                                       self.config.data_dir)
+                                       self.config.data_dir, self.config.redis)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, http: Request):

@@ -139,6 +139,7 @@ class NodeStore:
             client.set(node_stats_key(self.node_id), msgpack.packb(payload), px=int(self._stats_ttl_s * 1000))
         except redis.RedisError as e:
             log.debug("could not publish node stats: %s", e)
+            metrics.inc("mlx_fleet_redis_errors", node=self.node_name, component="node_stats")
             client = None
         return client
 

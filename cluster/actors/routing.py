@@ -2,16 +2,20 @@
 
 For every node with a replica of the model, from one index lookup:
 
-    predicted TTFT = (uncached tokens / its prefill tokens/s) x (1 + its load)
+    predicted TTFT = queued prompt tokens / its prefill tokens/s                 (queue wait)
+                   + (uncached tokens / its prefill tokens/s) x (1 + its load)
                    + (bytes to pull from a peer / that link's bytes/s)         if pulling pays
 
 where the prefix it can restore is what it holds itself (RAM or disk), or
-what the best live peer holds on disk and it would pull first. Load counts
-sequences on the replica (its lease, at most a couple of seconds old) and this
-gateway's own requests in flight to it (exact, immediate). A replica's
-prompts prefill in turns, between its batch's decode steps, so each sequence
-on it slows a new prefill: hence the (1 + load). That is conservative for
-sequences that are only decoding, which batching makes cheap.
+what the best live peer holds on disk and it would pull first. A replica
+prefills its prompts first come, first served, so a new one waits for the
+prompt tokens already queued there (its lease's `queued_tokens`): without that
+term a holder of the whole prompt would look instant however long its queue.
+Load counts sequences on the replica (its lease, at most a couple of seconds
+old) and this gateway's own requests in flight to it (exact, immediate).
+Prefill chunks run between the batch's decode steps, so each sequence on it
+slows a new prefill: hence the (1 + load). That is conservative for sequences
+that are only decoding, which batching makes cheap.
 
 Bounded load, so affinity degrades smoothly instead of switching off: with
 total load T over N nodes, a node takes a request only while its load + 1 is
@@ -97,8 +101,10 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
         lease = h.lease if h else {}
         tps = speeds[node.node_id]
         load = loads.get(node.node_id, 0)
+        wait = int(lease.get("queued_tokens") or 0) / tps
         local = restorable(node, prompt_len, h.hit, h.ck) if h else 0
-        best = Option(node, local, (prompt_len - local) / tps * (1 + load), load, None, _holder(node, prompt_len, h))
+        best = Option(node, local, wait + (prompt_len - local) / tps * (1 + load), load, None,
+                      _holder(node, prompt_len, h))
         for peer_id, p in held.items():
             if peer_id == node.node_id or ns_of.get(peer_id) != node.namespace:
                 continue  # itself, or a node whose blocks are another fingerprint's (e.g. another GPU)
@@ -109,7 +115,7 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
             nbytes = (end - start) * int(p.lease.get("block_bytes") or 0) + (
                 int(p.lease.get("state_bytes") or 0) if node.recurrent else 0)
             link = (lease.get("link_bps") or {}).get(peer_id) or cfg.default_link_bytes_per_s
-            ttft = (prompt_len - peer_tokens) / tps * (1 + load) + nbytes / link
+            ttft = wait + (prompt_len - peer_tokens) / tps * (1 + load) + nbytes / link
             if ttft < best.ttft_s:
                 best = Option(node, peer_tokens, ttft, load,
                               FetchPlan(peer_id, start, end, node.recurrent, peer_tokens, nbytes))

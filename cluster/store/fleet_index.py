@@ -50,6 +50,16 @@ local ids = {}
 for i = 3, #ARGV do ids[i - 2] = ARGV[i] end
 local n = #ids
 local out = {}
+-- Lua's unpack() holds at most ~8000 values: no call takes more than MAX ids.
+local MAX = 4096
+local function member_of(key, first, last)
+  local got = {}
+  for lo = first, last, MAX do
+    local part = redis.call('SMISMEMBER', key, unpack(ids, lo, math.min(last, lo + MAX - 1)))
+    for k = 1, #part do got[lo + k - first] = part[k] end
+  end
+  return got
+end
 for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local lease = redis.call('GET', prefix .. 'live:' .. node)
   if lease then
@@ -62,8 +72,8 @@ for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       local ram_run, disk_run, first, size, open = true, true, 1, 8, true
       while open and first <= n do
         local last = math.min(n, first + size - 1)
-        local rr = redis.call('SMISMEMBER', kr, unpack(ids, first, last))
-        local dd = redis.call('SMISMEMBER', kd, unpack(ids, first, last))
+        local rr = member_of(kr, first, last)
+        local dd = member_of(kd, first, last)
         for k = 1, last - first + 1 do
           local i = first + k - 1
           r[i], d[i] = rr[k], dd[k]
@@ -72,14 +82,12 @@ for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
           if ram_run and rr[k] == 1 then ram = i else ram_run = false end
           if disk_run and dd[k] == 1 then disk = i else disk_run = false end
         end
-        first, size = last + 1, size * 2
+        first, size = last + 1, math.min(size * 2, MAX)
       end
       local top = math.min(hit, max_ck)
       if top > 0 then
-        local cand = {}
-        for j = 1, top do cand[j] = ids[j] end
-        local cr = redis.call('SMISMEMBER', prefix .. 'ck:' .. node .. ':ram', unpack(cand))
-        local cd = redis.call('SMISMEMBER', prefix .. 'ck:' .. node .. ':disk', unpack(cand))
+        local cr = member_of(prefix .. 'ck:' .. node .. ':ram', 1, top)
+        local cd = member_of(prefix .. 'ck:' .. node .. ':disk', 1, top)
         for j = top, 1, -1 do
           if ck == 0 and (cr[j] == 1 or cd[j] == 1) then ck = j end
           if ck_disk == 0 and j <= disk and cd[j] == 1 then ck_disk = j end

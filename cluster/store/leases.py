@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import msgpack
 import redis
 
+from cluster import metrics
 from cluster.store.keys import lease_key, lease_pattern
 from cluster.store.redis_client import connect, redact
 
@@ -29,8 +30,9 @@ class LeaseWriter:
     """Keeps one replica's lease alive from a background thread."""
 
     def __init__(self, url: str, model: str, node_id: str, ttl_s: float,
-                 payload: Callable[[], dict], settings=None):
+                 payload: Callable[[], dict], settings=None, node_name: str = ""):
         self._redis = connect(url, settings)
+        self._node_name = node_name  # the metrics' node tag
         self._key = lease_key(model, node_id)
         self._ttl_ms = int(ttl_s * 1000)
         self._payload = payload
@@ -49,6 +51,7 @@ class LeaseWriter:
                 if self.healthy:
                     log.warning("lease renewal failed: %s", redact(str(e)))
                 self.healthy = False
+                metrics.inc("mlx_fleet_redis_errors", node=self._node_name, component="lease")
             self._stop.wait(self._period)
 
     def close(self) -> None:

@@ -119,3 +119,14 @@ def test_a_really_faster_node_keeps_its_speed():
     held = {"n0": holding(0, hit=3, disk=3, prefill_tps=500.0), "n1": holding(1, prefill_tps=5000.0)}
     plan = choose(options(4000, nodes, held, {}, CFG), 1.25)
     assert plan.node_id == "n1"  # 5000 tokens/s is not noise
+
+
+def test_a_holder_with_prompts_queued_waits_for_them_in_the_prediction():
+    """A whole-prompt holder is not instant when 6,000 prompt tokens are queued ahead (6 s at 1,000
+    tokens/s): a free node that pulls the prefix answers first."""
+    nodes = [node(0), node(1)]
+    idle = plan_for(2048, nodes, [holding(1, hit=32, disk=32)])
+    assert idle.node_id == "n1" and idle.predicted_ttft_s < 0.01
+    queued = plan_for(2048, nodes, [holding(1, hit=32, disk=32, queued_tokens=6000)], loads={"n1": 1})
+    assert queued.node_id == "n0" and queued.reason == "hit" and queued.fetch.peer == "n1"
+    assert queued.predicted_ttft_s == pytest.approx(1 / 1000 * 1 + 32 * 262_144 / 100e6, rel=1e-6)

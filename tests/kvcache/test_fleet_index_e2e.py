@@ -65,7 +65,7 @@ def node(disk_harness, redis_url, tmp_path):
         n.h.pc.tiers.disk.close()
 
 
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-swa", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-swa", "tiny-hybrid", "tiny-gemma4", "tiny-next"])
 def test_the_index_predicts_exactly_what_the_node_restores(node, name):
     a = node(name)
     prompt = prompt_of(300)
@@ -112,12 +112,49 @@ def test_a_dead_node_drops_out_at_once_and_is_collected(node, redis_url):
     assert not a.index.client.keys(b"*kv:B:*")
 
 
-def pull(b, prompt, peer_node, holding) -> tuple:
+def pull(b, prompt, peer_node, holding, store=None, chunk_bytes=64 << 20, timeout_s=10.0) -> tuple:
     plan = FetchPlan(peer_node.id, 0, holding.disk, b.h.pc.layout.has_recurrent, 0,
                      holding.disk * int(b.h.pc.shapes.kv_bytes_per_token * B))
-    peers = PeerClient(b.h.pc.namespace, local_stores={peer_node.id: peer_node.h.store})
-    prefetch = Admission(b.h.pc, peers=peers).fetch(list(prompt), plan)
+    stores = {} if store is False else {peer_node.id: store or peer_node.h.store}
+    peers = PeerClient(b.h.pc.namespace, chunk_bytes=chunk_bytes, local_stores=stores)
+    prefetch = Admission(b.h.pc, peers=peers, fetch_timeout_s=timeout_s).fetch(list(prompt), plan)
     return prefetch, peers
+
+
+class SlowStore:
+    """A peer's store that takes `delay_s` per read call (a congested link, a busy Mac)."""
+
+    def __init__(self, store, delay_s: float):
+        self.store, self.delay_s = store, delay_s
+
+    def read_many(self, ns, keys):
+        time.sleep(self.delay_s)
+        return self.store.read_many(ns, keys)
+
+
+def test_a_dead_peer_means_recompute_and_the_answer_is_exact(node):
+    a, b = node("tiny-dense", "A"), node("tiny-dense", "B")
+    prompt = prompt_of(260)
+    a.h.warm(prompt, max_tokens=2)
+    a.settle()
+    prefetch, peers = pull(b, prompt, a, a.holding(prompt)["A"], store=False)  # A is gone
+    assert (prefetch.n, prefetch.fetched, peers.counters["failures"]) == (0, 0, 1)
+    b.h.assert_same(b.h.run_with(prompt, BlockSession(b.h.pc, list(prompt), prefetch)), b.h.cold(prompt))
+
+
+def test_a_slow_peer_is_cut_off_at_the_deadline_and_what_arrived_is_used(node):
+    a, b = node("tiny-dense", "A"), node("tiny-dense", "B")
+    prompt = prompt_of(260)
+    a.h.warm(prompt, max_tokens=2)
+    a.settle()
+    held = a.holding(prompt)["A"]
+    assert held.disk == 8
+    one_block = int(b.h.pc.shapes.kv_bytes_per_token * B)  # one block per call, 0.4 s each, 1 s to do it all
+    prefetch, peers = pull(b, prompt, a, held, store=SlowStore(a.h.store, 0.4), chunk_bytes=one_block, timeout_s=1.0)
+    assert 0 < prefetch.fetched < 8 * B and prefetch.n == prefetch.fetched  # the leading blocks that arrived
+    assert peers.counters["failures"] == 1
+    warm = b.h.run_with(prompt, BlockSession(b.h.pc, list(prompt), prefetch))
+    b.h.assert_same(warm, b.h.cold(prompt))
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])

@@ -116,3 +116,13 @@ def test_the_asyncio_client_gets_the_same_answer(redis_url):
             await client.aclose()
 
     assert asyncio.run(go()) == sync.lookup(NS, chain)
+
+
+def test_a_prompt_of_tens_of_thousands_of_blocks_is_looked_up_whole(index):
+    """Lua's unpack() takes about 8000 values: a 20k-block prompt (320k tokens at B=16, a hybrid's
+    checkpoints at every block) must still be one answer, not an error the router falls back from."""
+    chain = ids(20_000)
+    announce(index, "a", ram=chain[:15_000], disk=chain[:12_000], ck_ram=[chain[14_999]],
+             ck_disk=[chain[9_999]])
+    (h,) = index.lookup(NS, chain, max_ck=20_000)
+    assert (h.hit, h.ram, h.disk, h.ck, h.ck_disk) == (15_000, 15_000, 12_000, 15_000, 10_000)
