@@ -30,6 +30,7 @@ import secrets
 from pathlib import Path
 
 from cluster.actors.loopback import LOOPBACK_ENV
+from cluster.api import proxy_errors
 from cluster.fleet.processes import TAG_ENV
 from cluster.fleet.state import FleetState
 
@@ -61,7 +62,8 @@ def base_env(state: FleetState) -> dict[str, str]:
     env = dict(os.environ)
     env.update(auth_env(state.data_dir))
     env.update({TAG_ENV: state.tag, "PYTHONUNBUFFERED": "1", LOOPBACK_ENV: "1",
-                "TMPDIR": str(Path(state.ray_temp_dir) / "tmp")})
+                "TMPDIR": str(Path(state.ray_temp_dir) / "tmp"),
+                proxy_errors.ENV: proxy_errors.IMPORT_PATH})  # Serve's proxy answers OpenAI errors too
     Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
     return env
 

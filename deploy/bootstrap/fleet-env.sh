@@ -9,6 +9,9 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH="$HOME/.ray/mlx-fleet-token"
 export RAY_USAGE_STATS_ENABLED=0
+# Serve's HTTP proxy answers its own errors (a gateway replica lost mid-request, no route) in the OpenAI
+# error format too (cluster/api/proxy_errors.py); a Ray process started without this keeps plain text.
+export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=cluster.api.proxy_errors.middlewares
 # The node's name is a label for people; its id (unique, persistent) is made once in its data dir.
 export MLX_FLEET_NODE_NAME="${MLX_FLEET_NODE_NAME:-$(hostname -s)}"
 export MLX_FLEET_DATA_DIR="${MLX_FLEET_DATA_DIR:-$HOME/.mlx-fleet}"
