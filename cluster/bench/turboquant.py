@@ -29,7 +29,7 @@ from cluster.config import CacheConfig
 from cluster.families import turboquant as tq
 from cluster.families.specs import FullAttention, SlidingWindow
 from cluster.kvcache.admission import Admission
-from cluster.kvcache.payload_codec import TQ_BITS
+from cluster.kvcache.payload_codec import TQ_BITS, centred
 from cluster.kvcache.session import BlockSession
 from cluster.kvcache.setup import setup_cache
 
@@ -73,7 +73,9 @@ def fidelity(sets, codec: str, seed: bytes) -> dict:
     cos, rel, att, enc_s, dec_s, nbytes, elems = [], [], [], 0.0, 0.0, 0, 0
     if codec in TQ_BITS:
         for d in {k.shape[-1] for k, _ in sets if tq.supports(k.shape[-1])}:
-            tq.codebook(d, TQ_BITS[codec])  # solved once per process (a replica does it at start-up): not timed
+            # Solved once per process (a replica does it at start-up): the codebook, its lookup table and the
+            # rotation are made before timing.
+            tq.encode(np.ones((1, B, d), dtype=np.float32), TQ_BITS[codec], seed, center=True)
     for k, v in sets:
         if not tq.supports(k.shape[-1]):
             continue
@@ -82,11 +84,12 @@ def fidelity(sets, codec: str, seed: bytes) -> dict:
         for x in (k, v):
             if codec in AFFINE:
                 y, n = affine(x, AFFINE[codec])
-            else:
+            else:  # as blocks hold them: B rows of every head, centred on the block's mean row
+                blocks = blocked(x)
                 t0 = time.perf_counter()
-                e = tq.encode(x, TQ_BITS[codec], seed)
+                e = tq.encode(blocks, TQ_BITS[codec], seed, center=centred(blocks.shape))
                 t1 = time.perf_counter()
-                y = tq.decode(e, seed)
+                y = unblocked(tq.decode(e, seed), x.shape)
                 enc_s, dec_s, n = enc_s + t1 - t0, dec_s + time.perf_counter() - t1, e.nbytes
             nx, ny = np.linalg.norm(x, axis=-1), np.linalg.norm(y, axis=-1)
             cos.append((np.sum(x * y, axis=-1) / np.maximum(nx * ny, 1e-30)).reshape(-1))
@@ -102,6 +105,17 @@ def fidelity(sets, codec: str, seed: bytes) -> dict:
     if codec in TQ_BITS:
         out.update(encode_gbps=2 * elems / enc_s / 1e9, decode_gbps=2 * elems / dec_s / 1e9)
     return out
+
+
+def blocked(x: np.ndarray) -> np.ndarray:
+    """[H, T, D] -> [H, T/B, B, D]: the rows of each block of B tokens (T a multiple of B)."""
+    h, t, d = x.shape
+    assert t % B == 0, f"{t} tokens are not whole blocks of {B}"
+    return x.reshape(h, t // B, B, d)
+
+
+def unblocked(y: np.ndarray, shape: tuple) -> np.ndarray:
+    return y.reshape(shape)
 
 
 def outlier_sets(heads: int = 8, tokens: int = 512, d: int = 128, seed: int = 0) -> list:

@@ -3,21 +3,35 @@
 After a random rotation, each coordinate of a unit vector in dimension d follows
 the same known density, f(x) ∝ (1 - x²)^((d-3)/2) on [-1, 1] (TurboQuant, arXiv
 2504.19874, Lemma 1), so one scalar codebook per (d, bits), solved once, is
-near-optimal for every vector. Per vector (one token of one head):
+near-optimal for every vector. Per block of K (or V) rows [T, d] of one head:
 
-    x (d floats) ──► norm = ‖x‖ (float32, kept)          ──► decode: c[idx] ──► H·D⁻¹ ──► × norm
-                 └─► y = H·D·x / norm  (D: seeded ±1 signs, H: normalised Walsh-Hadamard)
-                          └─► idx_j = nearest codebook entry of y_j  (bits each, bit-packed)
+    x ──► mean μ over the T rows (float16, kept; only with center=True)
+      └─► r = x - μ ──► u = r / ‖r‖ ──► y = u·D·H ──► idx_j = nearest centroid of y_j  (bits each, packed)
+                                                      q = c[idx], scale = ‖r‖ / ‖q‖  (float16, kept per row)
+    decode: c[idx] ──► ·(D·H)ᵀ ──► × scale ──► + μ
 
-- The rotation is a randomized Walsh-Hadamard transform, applied as one small matrix product, (what the production
-  ports use instead of a dense random matrix): orthonormal, O(d log d), and the
-  same on every node because its signs come from a seed (the fingerprint
-  namespace), not from a process-local RNG.
+- The rotation is a randomized Walsh-Hadamard transform (D: seeded ±1 signs, H:
+  normalised Walsh-Hadamard), applied as one small d x d matrix product: for d <=
+  256 a BLAS GEMM is far faster than an O(d log d) butterfly written in numpy,
+  and the transform is the same. Its signs come from a seed (the fingerprint
+  namespace), so every node rotates alike.
+- Two choices beyond the paper's MSE quantizer, both measured on attention
+  output (`mlx-fleet bench turboquant`, docs/turboquant.md):
+  - norm-preserving scale: Lloyd-Max centroids shrink a vector (‖q‖ < 1), and
+    shrunken keys flatten every softmax. Scaling by ‖r‖/‖q‖ instead of ‖r‖ keeps
+    each decoded row's norm exact, for the same bytes;
+  - centring: softmax ignores a shift shared by all keys, and K/V rows of one
+    head share a large common part. Quantizing only the residual from the
+    block's mean spends the bits on what differs. One float16 mean per head per
+    block (0.25 bit per coordinate at 64 rows) pays for itself several times.
 - Head dims must be powers of two (64, 128, 256 ...); `supports()` says so, and
   anything else stays lossless (the caller keeps it native).
 - Codebooks are solved numerically on a fine grid of the exact density for d
   (Lloyd-Max iterations from quantile start points): deterministic, so two
   processes build the same bytes.
+- Scales and means are float16, as the K/V of a float16 model are. A row whose
+  norm passed 65504 would be clipped; no model's K/V come near, and the
+  replica's start-up quality probe (status) would show it.
 
 Everything is vectorised numpy; no Python loop runs per element.
 """
@@ -28,6 +42,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 
@@ -154,32 +169,43 @@ def unpack(data: np.ndarray, bits: int, count: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Encoded:
-    """One K or V tensor [..., d], quantized: its shape, dtype name, per-vector norms and packed indices."""
+    """One K or V tensor [..., T, d], quantized: its shape and dtype name, packed indices, per-row scales and,
+    when centred, the mean row over its T rows."""
 
     shape: tuple[int, ...]
     dtype: str
-    norms: np.ndarray  # float32, one per vector (shape[:-1])
+    scales: np.ndarray  # float16, one per row (shape[:-1])
     packed: np.ndarray  # uint8
     bits: int
+    mean: Optional[np.ndarray] = None  # float16 [..., 1, d]; None: not centred
 
     @property
     def nbytes(self) -> int:
-        return self.norms.nbytes + self.packed.nbytes
+        return self.scales.nbytes + self.packed.nbytes + (self.mean.nbytes if self.mean is not None else 0)
 
 
-def encode(x: np.ndarray, bits: int, seed: bytes) -> Encoded:
-    """Quantize x [..., d] (any float dtype) with `bits` per coordinate."""
+_F16_MAX = float(np.finfo(np.float16).max)
+
+
+def encode(x: np.ndarray, bits: int, seed: bytes, center: bool = False) -> Encoded:
+    """Quantize x [..., T, d] (any float dtype) with `bits` per coordinate; `center`: the residual from the
+    mean of its T rows (a block's rows of one head)."""
     if bits not in BITS:
         raise ValueError(f"TurboQuant bits must be one of {BITS}, not {bits}")
     d = x.shape[-1]
     if not supports(d):
         raise ValueError(f"TurboQuant needs a power-of-two head dim, not {d}")
     v = np.asarray(x, dtype=np.float32)
-    norms = np.linalg.norm(v, axis=-1).astype(np.float32)
-    unit = v / np.where(norms > 0, norms, 1.0)[..., None]
-    y = rotate(unit, seed)
+    mean = None
+    if center:
+        mean = np.clip(v.mean(axis=-2, keepdims=True), -_F16_MAX, _F16_MAX).astype(np.float16)
+        v = v - mean.astype(np.float32)
+    norms = np.linalg.norm(v, axis=-1)
+    y = rotate(v / np.where(norms > 0, norms, 1.0)[..., None], seed)
     idx = nearest(y, d, bits)
-    return Encoded(tuple(x.shape), str(x.dtype), norms, pack(idx, bits), bits)
+    q = np.linalg.norm(codebook(d, bits)[idx], axis=-1)
+    scales = np.clip(norms / np.where(q > 0, q, 1.0), 0.0, _F16_MAX).astype(np.float16)
+    return Encoded(tuple(x.shape), str(x.dtype), scales, pack(idx, bits), bits, mean)
 
 
 def decode(e: Encoded, seed: bytes, dtype=None) -> np.ndarray:
@@ -187,5 +213,7 @@ def decode(e: Encoded, seed: bytes, dtype=None) -> np.ndarray:
     d = e.shape[-1]
     count = int(np.prod(e.shape))
     y = codebook(d, e.bits)[unpack(e.packed, e.bits, count)].reshape(e.shape)
-    x = unrotate(y, seed) * e.norms[..., None]
+    x = unrotate(y, seed) * e.scales.astype(np.float32)[..., None]
+    if e.mean is not None:
+        x += e.mean.astype(np.float32)
     return x.astype(dtype or e.dtype)

@@ -4,8 +4,13 @@
 attention K/V TurboQuant-packed (families/turboquant.py) and decode them back to
 the model dtype before restore, so the model always runs native caches:
 
-    capture ─► [K, V] per attention entry ─► encode ─► [K norms, K packed, V norms, V packed] ─► tiers, peers
-    restore ◄─ [K, V] in the model dtype ◄── decode ◄──────────────────────────────────────────┘
+    capture ─► [K, V] per attention entry ─► encode ─► [K mean, K scales, K packed, V mean, ...] ─► tiers, peers
+    restore ◄─ [K, V] in the model dtype ◄── decode ◄─────────────────────────────────────────────┘
+
+Each K and V array is one block's rows of every head, [1, heads, rows, d]. It is
+centred on its per-head mean row when it has at least CENTER_MIN_ROWS rows (the
+mean then costs at most half a bit per coordinate; below that it would cost more
+than it saves, so short blocks keep plain rows and no mean).
 
 What stays lossless, and why:
 - recurrent state (checkpoints): one wrong bit there is carried into every later
@@ -33,6 +38,7 @@ from cluster.families.specs import FullAttention, Layout, SlidingWindow
 from cluster.store.block_format import Signature, Tagged
 
 TQ_BITS = {"tq8": 8, "tq4": 4, "tq3": 3, "tq2": 2}
+CENTER_MIN_ROWS = 32
 
 
 def to_float32(tagged: Tagged) -> np.ndarray:
@@ -71,7 +77,9 @@ class TurboQuantPayload:
                 continue
             arrays = []
             for _, shape in sig:
-                arrays += [("float32", shape[:-1]), ("uint8", (-(-int(np.prod(shape)) * self.bits // 8),))]
+                if centred(shape):
+                    arrays.append(("float16", (*shape[:-2], 1, shape[-1])))
+                arrays += [("float16", shape[:-1]), ("uint8", (-(-int(np.prod(shape)) * self.bits // 8),))]
             out.append(tuple(arrays))
         return tuple(out)
 
@@ -83,8 +91,9 @@ class TurboQuantPayload:
                 continue
             packed = []
             for tagged in arrays:
-                e = tq.encode(to_float32(tagged), self.bits, self.seed)
-                packed += [("float32", e.norms), ("uint8", e.packed)]
+                e = tq.encode(to_float32(tagged), self.bits, self.seed, center=centred(tagged[1].shape))
+                packed += ([("float16", e.mean)] if e.mean is not None else []) + \
+                    [("float16", e.scales), ("uint8", e.packed)]
             out.append(packed)
         return out
 
@@ -94,9 +103,13 @@ class TurboQuantPayload:
             if not coded:
                 out.append(arrays)
                 continue
-            kv = []
-            for (tag, shape), (_, norms), (_, packed) in zip(sig, arrays[0::2], arrays[1::2]):
-                x = tq.decode(tq.Encoded(shape, "float32", norms, packed, self.bits), self.seed)
+            kv, at = [], 0
+            for tag, shape in sig:
+                mean = None
+                if centred(shape):
+                    mean, at = arrays[at][1], at + 1
+                (_, scales), (_, packed), at = arrays[at], arrays[at + 1], at + 2
+                x = tq.decode(tq.Encoded(shape, "float32", scales, packed, self.bits, mean), self.seed)
                 kv.append(from_float32(x, tag))
             out.append(kv)
         return out
@@ -104,8 +117,10 @@ class TurboQuantPayload:
     def quality(self, entries: list[list[Tagged]]) -> dict:
         """Measured on real K/V (the start-up probe's): cosine mean and 1st percentile, relative MSE."""
         cos, rel = [], []
-        for arrays, back in zip(entries, self.decode(self.encode(entries))):
-            for a, b in zip(arrays, back) if len(arrays) == len(back) else ():
+        for arrays, back, coded in zip(entries, self.decode(self.encode(entries)), self.coded):
+            if not coded:  # kept native: comparing it with itself would only inflate the numbers
+                continue
+            for a, b in zip(arrays, back):
                 x, y = to_float32(a).reshape(-1, a[1].shape[-1]), to_float32(b).reshape(-1, b[1].shape[-1])
                 nx, ny = np.linalg.norm(x, axis=-1), np.linalg.norm(y, axis=-1)
                 keep = nx > 0
@@ -117,6 +132,11 @@ class TurboQuantPayload:
         return {"codec": self.name, "coded_entries": int(sum(self.coded)), "entries": len(self.coded),
                 "cosine_mean": round(float(c.mean()), 6), "cosine_p1": round(float(np.percentile(c, 1)), 6),
                 "rel_mse": float(r.mean()), "vectors": int(c.size)}
+
+
+def centred(shape: tuple) -> bool:
+    """Whether an array of this shape [..., rows, d] is coded as its residual from the mean row."""
+    return len(shape) >= 2 and shape[-2] >= CENTER_MIN_ROWS
 
 
 def payload_codec(name: str, layout: Layout, native: Signature, seed: bytes) -> Optional[TurboQuantPayload]:

@@ -3,6 +3,7 @@
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,8 +37,8 @@ def test_codebooks_are_ascending_symmetric_and_at_the_papers_distortion(bits):
     c = tq.codebook(128, bits)
     assert c.shape == (1 << bits,) and np.all(np.diff(c) > 0) and np.array_equal(c, -c[::-1])
     x = vectors((4096, 128), seed=bits)
-    unit = x / np.linalg.norm(x, axis=-1, keepdims=True)
-    mse = float(np.mean(np.sum((tq.decode(tq.encode(unit, bits, SEED), SEED) - unit) ** 2, axis=-1)))
+    y = tq.rotate(x / np.linalg.norm(x, axis=-1, keepdims=True), SEED)
+    mse = float(np.mean(np.sum((c[tq.nearest(y, 128, bits)] - y) ** 2, axis=-1)))
     assert 4.0 ** -bits <= mse <= 2.72 * 4.0 ** -bits  # the lower bound and Panter-Dite's upper one
     assert mse == pytest.approx(PAPER_MSE[bits], rel=0.06)
 
@@ -53,16 +54,52 @@ def test_packing_round_trips_any_count(bits, count):
 
 @pytest.mark.parametrize("bits", tq.BITS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_round_trip_keeps_shape_dtype_and_norms(bits, dtype):
+@pytest.mark.parametrize("center", [False, True])
+def test_round_trip_keeps_shape_dtype_and_norms(bits, dtype, center):
     x = vectors().astype(dtype)
-    e = tq.encode(x, bits, SEED)
+    e = tq.encode(x, bits, SEED, center=center)
     y = tq.decode(e, SEED)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    assert np.array_equal(e.norms, np.linalg.norm(x.astype(np.float32), axis=-1).astype(np.float32))
-    rel = np.abs(np.linalg.norm(y.astype(np.float32), axis=-1) / e.norms - 1)
-    assert rel.mean() < 4 * 2.0 ** -bits
-    cos = np.sum(x.astype(np.float32) * y, axis=-1) / (e.norms * np.linalg.norm(y.astype(np.float32), axis=-1))
+    assert y.shape == x.shape and y.dtype == x.dtype and e.scales.dtype == np.float16
+    x32, y32 = x.astype(np.float32), y.astype(np.float32)
+    mean = e.mean.astype(np.float32) if center else 0.0
+    if center:
+        assert e.mean.shape == (3, 2, 1, 128)
+        assert np.abs(mean - x32.mean(axis=-2, keepdims=True)).max() < 2e-3
+    # Norm-preserving: every decoded row (residual) has its input's norm, to float16's precision
+    rel = np.abs(np.linalg.norm(y32 - mean, axis=-1) / np.linalg.norm(x32 - mean, axis=-1) - 1)
+    assert rel.max() < (3e-3 if dtype is np.float16 else 1e-3)
+    cos = np.sum(x32 * y32, axis=-1) / (np.linalg.norm(x32, axis=-1) * np.linalg.norm(y32, axis=-1))
     assert cos.mean() >= {2: 0.93, 3: 0.98, 4: 0.995, 8: 0.9999}[bits]
+
+
+def attention_error(k, v, kk, vv) -> float:
+    def att(k, v):
+        s = k @ np.swapaxes(k, -1, -2) / np.sqrt(k.shape[-1])
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        return (p / p.sum(axis=-1, keepdims=True)) @ v
+    ref = att(k, v)
+    return float(np.linalg.norm(att(kk, vv) - ref) / np.linalg.norm(ref))
+
+
+def test_centring_and_the_norm_preserving_scale_cut_the_attention_error():
+    """Rows of one head share a common part (here a third of their norm); softmax ignores a shift shared by
+    all keys, so quantizing only the residual, at exact norms, gives a truer attention output."""
+    rng = np.random.default_rng(7)
+    k = (rng.standard_normal((4, 1, 128)) * 2 + rng.standard_normal((4, 64, 128))).astype(np.float32)
+    v = (rng.standard_normal((4, 1, 128)) * 2 + rng.standard_normal((4, 64, 128))).astype(np.float32)
+
+    def error(center):
+        return attention_error(k, v, *(tq.decode(tq.encode(a, 4, SEED, center=center), SEED) for a in (k, v)))
+
+    def shrunk():  # the paper's plain MSE decode: x_hat = ||x|| * R^T c[idx]
+        out = []
+        for a in (k, v):
+            n = np.linalg.norm(a, axis=-1, keepdims=True)
+            idx = tq.nearest(tq.rotate(a / n, SEED), 128, 4)
+            out.append(tq.unrotate(tq.codebook(128, 4)[idx], SEED) * n)
+        return attention_error(k, v, *out)
+
+    assert error(True) < 0.8 * error(False) < 0.8 * shrunk()
 
 
 def test_a_zero_vector_stays_zero():
@@ -71,12 +108,15 @@ def test_a_zero_vector_stays_zero():
 
 
 def digest_of_an_encoding() -> str:
-    e = tq.encode(vectors(), 3, SEED)
-    return hashlib.sha256(e.packed.tobytes() + e.norms.tobytes()).hexdigest()
+    h = hashlib.sha256()
+    for bits in tq.BITS:
+        e = tq.encode(vectors(), bits, SEED, center=True)
+        h.update(e.packed.tobytes() + e.scales.tobytes() + e.mean.tobytes())
+    return h.hexdigest()
 
 
 def test_the_encoding_is_identical_in_another_process():
-    code = ("import sys; sys.path.insert(0, 'tests/families'); "
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             "from test_turboquant import digest_of_an_encoding as d; print(d())")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == digest_of_an_encoding()

@@ -96,7 +96,8 @@ def disk_harness(load_builtin, data_dir, tmp_path):
                           listener=events.append if events is not None else None)
         h = Harness.__new__(Harness)
         h.model, h.tok, h.B, h.step = model, tok, kw.get("block_tokens", 32), kw.get("prefill_step", 64)
-        cfg = CacheConfig(block_tokens=h.B, ram_bytes=ram_bytes, spill_queue_bytes=kw.get("queue", 256 << 20))
+        cfg = CacheConfig(block_tokens=h.B, ram_bytes=ram_bytes, spill_queue_bytes=kw.get("queue", 256 << 20),
+                          kv_codec=kw.get("kv_codec", "native"))
         h.setup = setup_cache(model, tok, resolve_model(name, data_dir), cfg, tmp_path, store_link=LocalLink(store),
                               listener=events.append if events is not None else None)
         h.pc = h.setup.cache
