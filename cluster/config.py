@@ -93,6 +93,9 @@ class ModelSpec(_Config):
     num_replicas: Optional[int] = Field(
         None, ge=0, description="Replicas of this model. Default: one per fleet node (nodes with the mlx_fleet resource).",
     )
+    stream_interval_s: float = Field(
+        0.02, ge=0.0, le=1.0, description="After a request's first token (always sent at once), its tokens go to the gateway at most this often, gathered: each message costs two Ray hops of CPU. 0: every decode step.",
+    )
     prefill_step_tokens: int = Field(512, ge=16, description="Prompt tokens per prefill chunk; other requests' decode steps interleave between chunks.")
     batching: bool = Field(
         True, description="Continuous batching: every decoding sequence of a replica advances in one batched forward. Off: sequences take turns, one token each. A model whose cache classes cannot batch (e.g. kv_codec q8/q4) is served in turns either way, and status says why.",

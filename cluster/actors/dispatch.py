@@ -199,7 +199,21 @@ async def _gather(run: Run) -> tuple[Delta, Finished]:
 
 
 async def _flatten(response) -> AsyncIterator[Event]:
+    """The replica's event lists as events, each list's runs of plain Deltas merged into one: a stream then
+    writes one chunk (one hop through Serve's proxy) for the tokens a replica sent together."""
     async for events in response:
-        for event in events:
+        for event in coalesce(events):
             yield event
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """Consecutive Deltas without tool calls as one Delta (text, tokens and logprobs in order)."""
+    out: list[Event] = []
+    for e in events:
+        last = out[-1] if out else None
+        if isinstance(e, Delta) and isinstance(last, Delta) and not e.tool_calls and not last.tool_calls:
+            out[-1] = Delta(last.text + e.text, last.token_ids + e.token_ids, last.logprobs + e.logprobs)
+        else:
+            out.append(e)
+    return out
 

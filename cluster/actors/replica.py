@@ -143,15 +143,24 @@ class ModelReplica:
             yield [Failed(str(e), status=400, param=param)]
             return
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
-        ended = False
+        ended = started = False
+        interval, last = self.spec.stream_interval_s, 0.0
         try:
             while not ended:
                 events = await inbox.get()
+                if started and interval > 0 and not any(isinstance(e, TERMINAL) for e in events):
+                    # Every item crosses Ray twice (here to the gateway, the gateway to Serve's proxy): after
+                    # the first token, send what `interval` gathers as one item, not one per decode step.
+                    wait = last + interval - loop.time()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
                 while not inbox.empty():
                     events.extend(inbox.get_nowait())
                 ended = any(isinstance(e, TERMINAL) for e in events)
+                started = started or any(isinstance(e, Started) for e in events)
                 self._count(events)  # Started (fetched tokens) comes batches before the end
                 yield events
+                last = loop.time()
         finally:
             if not ended:
                 self.counters["cancelled"] += 1

@@ -190,7 +190,8 @@ def run_http(a, tok, path: Path) -> dict:
         with MlxLmServer(path, Path(work)) as server:
             for c in a.concurrency:
                 results["mlx_lm.server"][c] = asyncio.run(http_round(server.url, str(path), texts[c], a.max_tokens))
-        with SpawnedFleet(Path(work) / "fleet", 1, (a.model,)) as fleet:
+        extra = ("--stream-interval", str(a.stream_interval)) if a.stream_interval is not None else ()
+        with SpawnedFleet(Path(work) / "fleet", 1, (a.model,), extra=extra) as fleet:
             for c in a.concurrency:
                 results["mlx-fleet"][c] = asyncio.run(http_round(fleet.url, a.model, texts[c], a.max_tokens))
     for c in a.concurrency:
@@ -213,9 +214,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32, help="short: the round is mostly decode")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-http", action="store_true", help="skip the HTTP comparison with mlx_lm.server")
+    p.add_argument("--stream-interval", type=float, default=None,
+                   help="the fleet's --stream-interval (default: the fleet's own, 0.02 s)")
     a = p.parse_args(argv)
     model, tok, path = load(a.model, a.data_dir)
     results = {"model": a.model, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
+               "stream_interval_s": a.stream_interval,
                "engine": run_engine(a, model, tok)}
     if not a.no_http:
         results["http"] = run_http(a, tok, path)
