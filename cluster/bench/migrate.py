@@ -1,6 +1,6 @@
 """Pulling a prefix from a peer against recomputing it, through a real 2-node fleet, in one run.
 
-    mlx-fleet bench migrate [--tokens 2048] [--concurrency 4] [--model tiny-dense] [--kv-codec native] [--json out.json]
+    mlx-fleet bench migrate [--tokens 2048] [--concurrency 4] [--model tiny-dense] [--kv-codec native [tq4 ...]] [--json out.json]
 
 1. One prompt of `tokens` token ids is computed cold on some node (the holder).
 2. `concurrency` fresh prompts of the same length are sent at once: every one
@@ -48,15 +48,10 @@ def burst(http: httpx.Client, model: str, prompts: list[list[int]]) -> list[dict
         return list(pool.map(lambda p: first_token(http, model, p), prompts))
 
 
-def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--model", default="tiny-dense")
-    p.add_argument("--kv-codec", default="native", help="the fleet's --kv-codec (tq4: 0.27x the bytes to move)")
-    a = p.parse_args(argv)
+def run(a, codec: str) -> dict:
+    """The whole measurement on a fresh 2-node fleet whose blocks use `codec`."""
     with tempfile.TemporaryDirectory(prefix="bench-migrate-") as work:
-        with SpawnedFleet(Path(work) / "fleet", 2, (a.model,), extra=("--kv-codec", a.kv_codec)) as fleet:
+        with SpawnedFleet(Path(work) / "fleet", 2, (a.model,), extra=("--kv-codec", codec)) as fleet:
             with httpx.Client(base_url=fleet.url, timeout=600, trust_env=False) as http:
                 shared = prompt_tokens(a.tokens, salt=1)
                 holder = first_token(http, a.model, shared)
@@ -67,20 +62,22 @@ def main(argv: list[str]) -> int:
     pulled = [w for w in warm if w["fetched"]]
     local = [w for w in warm if not w["fetched"]]
     cold_p50 = statistics.median(c["ttft_s"] for c in cold)
-    row = {"tokens": a.tokens, "concurrency": a.concurrency, "kv_codec": a.kv_codec, "holder": holder,
+    row = {"tokens": a.tokens, "concurrency": a.concurrency, "kv_codec": codec, "holder": holder,
            "cold_ttft_s": [c["ttft_s"] for c in cold], "pulled_ttft_s": [w["ttft_s"] for w in pulled],
            "local_ttft_s": [w["ttft_s"] for w in local], "pulled_tokens": [w["fetched"] for w in pulled],
            "routes": [w["route"] for w in warm], "cost_model": status["fleet"]["cost_model"],
            "migrated_bytes": status["fleet"]["migrated_bytes"]}
-    print(f"{a.tokens}-token prompt, 2 nodes, {a.concurrency} requests at once:")
+    print(f"{a.tokens}-token prompt, 2 nodes, {a.concurrency} requests at once, --kv-codec {codec}:")
     print(f"  (alone, cold on the holder: TTFT {holder['ttft_s']:.3f}s)")
     print(f"  cold (recomputed)      TTFT p50 {cold_p50:.3f}s  {['%.2f' % c['ttft_s'] for c in cold]}")
     if pulled:
         pull_p50 = statistics.median(w["ttft_s"] for w in pulled)
+        row["pulled_ttft_p50_s"] = pull_p50
         row["pulled_vs_cold"] = pull_p50 / cold_p50
         row["pulled_vs_cold_alone"] = pull_p50 / holder["ttft_s"]
         print(f"  pulled from the holder TTFT p50 {pull_p50:.3f}s  ({len(pulled)} requests, "
-              f"{pulled[0]['fetched']} tokens each): {row['pulled_vs_cold']:.3f}x cold at the same concurrency, "
+              f"{pulled[0]['fetched']} tokens each, {row['migrated_bytes'] / 1e6:.1f} MB moved in all): "
+              f"{row['pulled_vs_cold']:.3f}x cold at the same concurrency, "
               f"{row['pulled_vs_cold_alone']:.3f}x cold alone")
     else:
         print("  no request was sent to the other node (every copy fit on the holder)")
@@ -90,5 +87,22 @@ def main(argv: list[str]) -> int:
     for node, cm in status["fleet"]["cost_model"].items():
         links = ", ".join(f"from {k}: {v / 1e6:.0f} MB/s" for k, v in cm["link_bytes_per_s"].items()) or "-"
         print(f"  {node}: prefill {cm['prefill_tps']:.0f} tokens/s; links {links}")
-    write_json(a.json, "migrate", row)
+    return row
+
+
+def main(argv: list[str]) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--model", default="tiny-dense")
+    p.add_argument("--kv-codec", nargs="+", default=["native"],
+                   help="the fleet's --kv-codec; several (native tq4) measure each on its own fleet in this run")
+    a = p.parse_args(argv)
+    rows = {codec: run(a, codec) for codec in a.kv_codec}
+    if len(rows) > 1 and all("pulled_ttft_p50_s" in r for r in rows.values()):
+        base = rows[a.kv_codec[0]]
+        for codec, r in list(rows.items())[1:]:
+            print(f"{codec} vs {a.kv_codec[0]}: pulled TTFT {r['pulled_ttft_p50_s'] / base['pulled_ttft_p50_s']:.2f}x, "
+                  f"bytes moved {r['migrated_bytes'] / max(base['migrated_bytes'], 1):.2f}x")
+    write_json(a.json, "migrate", rows[a.kv_codec[0]] if len(rows) == 1 else {"by_codec": rows})
     return 0

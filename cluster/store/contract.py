@@ -1,4 +1,4 @@
-"""The one store contract every tier answers: the RAM tier, a node's disk, and the fleet index.
+"""The one store contract every tier of blocks answers: the RAM tier and a node's disk (DiskClient).
 
     present(keys)   -> [bool]              is each key held? (a lookup, not a use)
     get_many(keys)  -> [bytes | None]      the blocks, verified at the tier's level; a use
@@ -6,15 +6,18 @@
     discard(key, reason)                   a block was refused as bad: drop it, never serve it again
     stats()         -> dict                counters for status
 
-The question routing and restore ask of any tier - how many blocks of this
-chain, from the first, can you give me - is `leading(store.present(ids))`.
+The question restore asks of any tier - how many blocks of this chain, from
+the first, can you give me - is `leading(store.present(ids))`. The fleet index
+(fleet_index.py) holds no blocks and is not a store: it answers the same
+question for every node at once (`lookup`), from the tiers' events.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Optional, Protocol, runtime_checkable
 
 
+@runtime_checkable
 class BlockStore(Protocol):
     def present(self, keys: list[bytes]) -> list[bool]: ...
 
