@@ -102,6 +102,20 @@ def run_locust(a: argparse.Namespace, url: str, run_dir: Path) -> int:
         return subprocess.run(locust_command(a, url, run_dir), env=env, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
+def settled_status(fleet, timeout_s: float = 20.0) -> dict:
+    """The fleet's status once its counters stop moving: replicas publish them every few seconds, so a
+    status read the moment the load ends misses the last requests (and their pulled tokens)."""
+    status = fleet.status()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(2)
+        again = fleet.status()
+        if again.get("fleet") == status.get("fleet"):
+            return again
+        status = again
+    return status
+
+
 def run_policy(a: argparse.Namespace, policy: Optional[str]) -> tuple[str, list[dict], Optional[dict]]:
     """One run; returns (label, records, the fleet's status at the end)."""
     label = policy or "attached"
@@ -116,7 +130,7 @@ def run_policy(a: argparse.Namespace, policy: Optional[str]) -> tuple[str, list[
         with SpawnedFleet(a.out / f"fleet-{label}", a.nodes, (a.model,), policy, extra) as fleet:
             print(f"[{label}] load test at {fleet.url} ...", flush=True)
             code = run_locust(a, fleet.url, run_dir)
-            status = fleet.status()
+            status = settled_status(fleet)
         (run_dir / "fleet_status.json").write_text(json.dumps(status, indent=1))
     if code not in (0, 1):  # 1: locust saw failures, which the summary reports
         raise RuntimeError(f"locust exited with {code}; see {run_dir / 'locust.log'}")

@@ -59,6 +59,11 @@ def run(a, codec: str) -> dict:
                 cold = burst(http, a.model, [prompt_tokens(a.tokens, salt=100 + i) for i in range(a.concurrency)])
                 warm = burst(http, a.model, [shared] * a.concurrency)
             status = fleet.status()
+            deadline = time.monotonic() + 15  # replicas publish their counters every few seconds
+            while any(w["fetched"] for w in warm) and not status["fleet"]["migrated_bytes"] \
+                    and time.monotonic() < deadline:
+                time.sleep(1)
+                status = fleet.status()
     pulled = [w for w in warm if w["fetched"]]
     local = [w for w in warm if not w["fetched"]]
     cold_p50 = statistics.median(c["ttft_s"] for c in cold)

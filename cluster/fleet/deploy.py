@@ -61,12 +61,17 @@ def load_serve_file(path: Path) -> dict:
 
 
 def dashboard_address(explicit: Optional[str] = None) -> str:
-    """--address, else RAY_DASHBOARD_ADDRESS, else an http(s) RAY_ADDRESS, else the local head's dashboard."""
+    """--address, else RAY_DASHBOARD_ADDRESS, else RAY_ADDRESS (an http(s) URL as it is; a head's
+    `host:port` means that host's dashboard on its default port 8265), else the local head's dashboard."""
     if explicit and not explicit.startswith(("http://", "https://")):
         raise DeployError(f"--address {explicit!r}: give the dashboard's URL, e.g. http://<head>:8265")
     for candidate in (explicit, os.environ.get("RAY_DASHBOARD_ADDRESS"), os.environ.get("RAY_ADDRESS")):
         if candidate and candidate.startswith(("http://", "https://")):
             return candidate.rstrip("/")
+    address = os.environ.get("RAY_ADDRESS", "")
+    host = address.removeprefix("ray://").rsplit(":", 1)[0] if ":" in address else ""
+    if host and host not in ("auto", "local"):
+        return f"http://{host}:8265"
     return DEFAULT_DASHBOARD
 
 

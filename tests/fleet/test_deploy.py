@@ -44,7 +44,9 @@ def test_the_cli_says_it_in_one_line_and_exits_nonzero(tmp_path):
 
 def test_the_dashboard_address_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.delenv("RAY_DASHBOARD_ADDRESS", raising=False)
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address is not the dashboard's
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # the head's GCS: its dashboard is on the same host
+    assert dashboard_address() == "http://10.0.0.1:8265"
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
     assert dashboard_address() == "http://127.0.0.1:8265"
     monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.1:8265/")
     assert dashboard_address() == "http://10.0.0.1:8265"
