@@ -162,6 +162,9 @@ class RoutingConfig(_Config):
         1.25, ge=1.0, le=4.0,
         description="Bounded load: no replica takes a request while it holds more than load_factor x the mean load (+1). Affinity never switches off: among the replicas under the bound, the fastest predicted answer wins.",
     )
+    near_ratio: float = Field(0.25, ge=0.0, le=10.0, description="Near ties: replicas predicted within near_ratio x the fastest answer + near_s count as equally fast, and the one sent the fewest requests lately wins (spreads shared system prompts under light load).")
+    near_s: float = Field(0.05, ge=0.0, le=10.0, description="The absolute part of a near tie, in seconds (see near_ratio).")
+    recent_half_life_s: float = Field(10.0, gt=0.0, description="Half-life of the per-replica count of requests sent lately, which breaks near ties.")
     default_prefill_tps: float = Field(2000.0, gt=0, description="Prefill tokens/s assumed for a replica that has not measured its own yet.")
     default_link_bytes_per_s: float = Field(200e6, gt=0, description="Peer-to-peer block transfer bytes/s assumed until a replica has measured a link.")
     lookup_timeout_s: float = Field(1.0, gt=0, description="Deadline of one index lookup (normally well under a millisecond; this bounds a stalled Redis or a gateway swamped by a burst); past it the request is routed by power of two choices (reason=fallback).")

@@ -23,8 +23,17 @@ at most ceil(`load_factor` x (T + 1) / N). Among those nodes the fastest predict
 answer wins, so a hot system prompt fills its holder up to the bound and then
 spreads - with the others pulling the prefix from it rather than recomputing.
 
+Near ties spread: nodes under the bound predicted within `near_ratio` x the
+fastest + `near_s` count as equally fast, and the one this gateway sent the
+fewest requests lately (decayed, `recent_half_life_s`) wins. The bound only sees
+sequences running now, so under a light load it never binds; without this, every
+conversation sharing a system prompt would go to the prompt's first holder when
+the others could pull it for a few milliseconds. Turns of one conversation stay
+put: pulling a whole history costs more than the margin.
+
 Reasons (x-fleet-route): `hit` (the fastest node overall, holding a prefix),
-`load` (the fastest was over the bound, or the router moved the request: then the
+`load` (the fastest was over the bound or a near tie went to a less used node, or the
+router moved the request: then the
 replica that gets it pulls what the planned node holds on disk, as the plan's fetch
 names that node; the planned node itself ignores a fetch from itself),
 `miss` (nobody holds anything: least loaded), `fallback` (no index: power of
@@ -133,8 +142,15 @@ def _holder(node: ReplicaInfo, prompt_len: int, h: Optional[Holding]) -> Optiona
     return FetchPlan(node.node_id, 0, end, node.recurrent, tokens, nbytes)
 
 
-def choose(opts: list[Option], load_factor: float, policy: str = "affinity") -> RoutePlan:
-    """Bounded load, then the fastest predicted answer; ranked fallbacks for the router."""
+def choose(opts: list[Option], load_factor: float, policy: str = "affinity", recent: Optional[dict] = None,
+           near: tuple[float, float] = (0.0, 0.0)) -> RoutePlan:
+    """Bounded load, then the fastest predicted answer; ranked fallbacks for the router.
+
+    `recent` (node id -> requests sent there lately) and `near` (ratio, seconds): among the nodes under
+    the bound, the ones predicted within `ratio` x the fastest + `seconds` count as equally fast, and the
+    one sent the fewest requests lately wins. Without it, a light load (where the instantaneous bound never
+    binds) sends every conversation that shares a system prompt to its first holder, when pulling the prompt
+    from it would cost the others a few milliseconds."""
     total = sum(o.load for o in opts)
     cap = math.ceil(load_factor * (total + 1) / len(opts))
     eligible = [o for o in opts if o.load + 1 <= cap] or opts
@@ -145,6 +161,10 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity") -> 
 
     fastest = min(opts, key=key)
     chosen = min(eligible, key=key)
+    if recent is not None:
+        bound = chosen.ttft_s * (1 + near[0]) + near[1]
+        close = [o for o in eligible if o.ttft_s <= bound]
+        chosen = min(close, key=lambda o: (round(recent.get(o.node.node_id, 0.0), 3), key(o)))
     if not any(o.tokens for o in opts):
         reason = "miss"
     else:
@@ -167,6 +187,7 @@ class Affinity:
         self.inflight: Counter = Counter()  # node id -> this gateway's requests running there
         self.reasons: Counter = Counter()
         self.lookup_s: deque = deque(maxlen=2000)
+        self.recent: dict[str, tuple[float, float]] = {}  # node id -> (decayed requests sent, as of when)
 
     def track(self, node_id: str, delta: int) -> None:
         self.inflight[node_id] += delta
@@ -188,8 +209,26 @@ class Affinity:
             return self._count(RoutePlan(policy="affinity", reason="fallback"))
         loads = {r.node_id: max(int((held.get(r.node_id).lease if held.get(r.node_id) else {}).get("active", 0)),
                                 self.inflight[r.node_id]) for r in nodes}
-        plan = choose(options(len(prompt), nodes, held, loads, self.cfg), self.cfg.load_factor)
+        plan = choose(options(len(prompt), nodes, held, loads, self.cfg), self.cfg.load_factor,
+                      recent=self._recent(nodes), near=(self.cfg.near_ratio, self.cfg.near_s))
+        self._sent(plan.node_id)
         return self._count(plan)
+
+    def _recent(self, nodes: list[ReplicaInfo]) -> dict[str, float]:
+        """Requests this gateway sent to each node lately, decayed with `recent_half_life_s`."""
+        now = time.monotonic()
+        decay = math.log(2) / self.cfg.recent_half_life_s
+        out = {}
+        for r in nodes:
+            value, at = self.recent.get(r.node_id, (0.0, now))
+            out[r.node_id] = value * math.exp(-decay * (now - at))
+            self.recent[r.node_id] = (out[r.node_id], now)
+        return out
+
+    def _sent(self, node_id: Optional[str]) -> None:
+        if node_id is not None:
+            value, at = self.recent.get(node_id, (0.0, time.monotonic()))
+            self.recent[node_id] = (value + 1.0, at)
 
     async def _lookup(self, nodes: list[ReplicaInfo], prompt: list[int]) -> dict[str, Holding]:
         """Holdings of every live node, one round trip per namespace (normally one)."""

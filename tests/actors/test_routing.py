@@ -130,3 +130,23 @@ def test_a_holder_with_prompts_queued_waits_for_them_in_the_prediction():
     queued = plan_for(2048, nodes, [holding(1, hit=32, disk=32, queued_tokens=6000)], loads={"n1": 1})
     assert queued.node_id == "n0" and queued.reason == "hit" and queued.fetch.peer == "n1"
     assert queued.predicted_ttft_s == pytest.approx(1 / 1000 * 1 + 32 * 262_144 / 100e6, rel=1e-6)
+
+
+def test_near_ties_go_to_the_node_sent_the_fewest_requests_lately():
+    """A new conversation on a shared system prompt: its holder saves only the prompt's pull, a few
+    milliseconds of a second of prefill, so a node used less lately takes it and pulls the prompt."""
+    nodes = [node(0), node(1), node(2)]
+    held = {"n0": holding(0, hit=5, disk=5)}  # the system prompt's 5 blocks, on n0's disk
+    opts = options(1500, nodes, held, {}, CFG)
+    random.seed(0)
+    busy = choose(opts, 1.25, recent={"n0": 4.0, "n1": 2.0, "n2": 1.0}, near=(0.25, 0.05))
+    assert (busy.node_id, busy.reason, busy.fetch.peer, busy.tokens) == ("n2", "load", "n0", 320)
+    even = choose(opts, 1.25, recent={"n0": 1.0, "n1": 1.0, "n2": 1.0}, near=(0.25, 0.05))
+    assert (even.node_id, even.reason) == ("n0", "hit")
+
+
+def test_a_conversations_next_turn_stays_with_its_history_whatever_the_recent_load():
+    nodes = [node(0), node(1), node(2)]
+    held = {"n0": holding(0, hit=30, disk=30)}  # 1920 tokens of history: pulling costs more than the margin
+    plan = choose(options(2000, nodes, held, {}, CFG), 1.25, recent={"n0": 9.0}, near=(0.25, 0.05))
+    assert (plan.node_id, plan.reason, plan.tokens) == ("n0", "hit", 1920)
