@@ -164,6 +164,7 @@ class RoutingConfig(_Config):
     )
     near_ratio: float = Field(0.25, ge=0.0, le=10.0, description="Near ties: replicas predicted within near_ratio x the fastest answer + near_s count as equally fast, and the one sent the fewest requests lately wins (spreads shared system prompts under light load).")
     near_s: float = Field(0.05, ge=0.0, le=10.0, description="The absolute part of a near tie, in seconds (see near_ratio).")
+    near_share: float = Field(0.5, ge=0.0, le=1.0, description="Near ties apply only to requests of which the fastest replica restores at most this share of the prompt: a new conversation on a shared system prompt spreads, a conversation's next turn stays with its history.")
     recent_half_life_s: float = Field(10.0, gt=0.0, description="Half-life of the per-replica count of requests sent lately, which breaks near ties.")
     default_prefill_tps: float = Field(2000.0, gt=0, description="Prefill tokens/s assumed for a replica that has not measured its own yet.")
     default_link_bytes_per_s: float = Field(200e6, gt=0, description="Peer-to-peer block transfer bytes/s assumed until a replica has measured a link.")

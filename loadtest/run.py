@@ -108,7 +108,7 @@ def settled_status(fleet, timeout_s: float = 20.0) -> dict:
     status = fleet.status()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        time.sleep(2)
+        time.sleep(3)  # longer than the replicas' publishing period (2 s), so equal reads mean settled
         again = fleet.status()
         if again.get("fleet") == status.get("fleet"):
             return again

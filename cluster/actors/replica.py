@@ -148,15 +148,18 @@ class ModelReplica:
         try:
             while not ended:
                 events = await inbox.get()
-                if started and interval > 0 and not any(isinstance(e, TERMINAL) for e in events):
-                    # Every item crosses Ray twice (here to the gateway, the gateway to Serve's proxy): after
-                    # the first token, send what `interval` gathers as one item, not one per decode step.
-                    wait = last + interval - loop.time()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
                 while not inbox.empty():
                     events.extend(inbox.get_nowait())
                 ended = any(isinstance(e, TERMINAL) for e in events)
+                # Every item crosses Ray twice (here to the gateway, the gateway to Serve's proxy): after the
+                # first token, send what `interval` gathers as one item, not one per decode step; the end
+                # goes out the moment it comes.
+                while started and not ended and (wait := last + interval - loop.time()) > 0:
+                    try:
+                        events.extend(await asyncio.wait_for(inbox.get(), wait))
+                    except asyncio.TimeoutError:
+                        break
+                    ended = any(isinstance(e, TERMINAL) for e in events)
                 started = started or any(isinstance(e, Started) for e in events)
                 self._count(events)  # Started (fetched tokens) comes batches before the end
                 yield events

@@ -23,13 +23,15 @@ at most ceil(`load_factor` x (T + 1) / N). Among those nodes the fastest predict
 answer wins, so a hot system prompt fills its holder up to the bound and then
 spreads - with the others pulling the prefix from it rather than recomputing.
 
-Near ties spread: nodes under the bound predicted within `near_ratio` x the
-fastest + `near_s` count as equally fast, and the one this gateway sent the
-fewest requests lately (decayed, `recent_half_life_s`) wins. The bound only sees
-sequences running now, so under a light load it never binds; without this, every
-conversation sharing a system prompt would go to the prompt's first holder when
-the others could pull it for a few milliseconds. Turns of one conversation stay
-put: pulling a whole history costs more than the margin.
+Near ties spread: for a request of which the fastest node restores at most
+`near_share` of the prompt (a new conversation on a shared system prompt), nodes
+under the bound predicted within `near_ratio` x the fastest + `near_s` count as
+equally fast, and the one this gateway sent the fewest requests lately (decayed,
+`recent_half_life_s`) wins. The bound only sees sequences running now, so under
+a light load it never binds; without this, every conversation sharing a system
+prompt would go to the prompt's first holder when the others could pull it for
+a few milliseconds. A conversation's next turn, most of which its node holds,
+stays with it, and so conversations spread by their first turns.
 
 Reasons (x-fleet-route): `hit` (the fastest node overall, holding a prefix),
 `load` (the fastest was over the bound or a near tie went to a less used node, or the
@@ -143,14 +145,16 @@ def _holder(node: ReplicaInfo, prompt_len: int, h: Optional[Holding]) -> Optiona
 
 
 def choose(opts: list[Option], load_factor: float, policy: str = "affinity", recent: Optional[dict] = None,
-           near: tuple[float, float] = (0.0, 0.0)) -> RoutePlan:
+           near: tuple[float, float, float] = (0.0, 0.0, 0.0), prompt_len: int = 0) -> RoutePlan:
     """Bounded load, then the fastest predicted answer; ranked fallbacks for the router.
 
-    `recent` (node id -> requests sent there lately) and `near` (ratio, seconds): among the nodes under
-    the bound, the ones predicted within `ratio` x the fastest + `seconds` count as equally fast, and the
-    one sent the fewest requests lately wins. Without it, a light load (where the instantaneous bound never
-    binds) sends every conversation that shares a system prompt to its first holder, when pulling the prompt
-    from it would cost the others a few milliseconds."""
+    `recent` (node id -> requests sent there lately) and `near` (ratio, seconds, share): for a request of
+    which the fastest node restores at most `share` of its `prompt_len` tokens (a new conversation on a
+    shared system prompt, not a conversation's next turn), the nodes under the bound predicted within
+    `ratio` x the fastest + `seconds` count as equally fast, and the one sent the fewest requests lately
+    wins. Without it, a light load (where the instantaneous bound never binds) sends every conversation that
+    shares a system prompt to its first holder, when pulling the prompt from it would cost the others a few
+    milliseconds; the conversations' later turns then follow their first one."""
     total = sum(o.load for o in opts)
     cap = math.ceil(load_factor * (total + 1) / len(opts))
     eligible = [o for o in opts if o.load + 1 <= cap] or opts
@@ -161,7 +165,7 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity", rec
 
     fastest = min(opts, key=key)
     chosen = min(eligible, key=key)
-    if recent is not None:
+    if recent is not None and chosen.tokens <= near[2] * prompt_len:
         bound = chosen.ttft_s * (1 + near[0]) + near[1]
         close = [o for o in eligible if o.ttft_s <= bound]
         chosen = min(close, key=lambda o: (round(recent.get(o.node.node_id, 0.0), 3), key(o)))
@@ -210,7 +214,8 @@ class Affinity:
         loads = {r.node_id: max(int((held.get(r.node_id).lease if held.get(r.node_id) else {}).get("active", 0)),
                                 self.inflight[r.node_id]) for r in nodes}
         plan = choose(options(len(prompt), nodes, held, loads, self.cfg), self.cfg.load_factor,
-                      recent=self._recent(nodes), near=(self.cfg.near_ratio, self.cfg.near_s))
+                      recent=self._recent(nodes), near=(self.cfg.near_ratio, self.cfg.near_s, self.cfg.near_share),
+                      prompt_len=len(prompt))
         self._sent(plan.node_id)
         return self._count(plan)
 

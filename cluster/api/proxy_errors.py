@@ -71,11 +71,8 @@ class OpenAIErrors:
             if message["type"] == "http.response.body" and held is not None:
                 body.append(message.get("body", b""))
                 if not message.get("more_body", False):
-                    text = b"".join(body).decode("utf-8", "replace").strip() or f"HTTP {held['status']}"
-                    keep = [(k, v) for k, v in held.get("headers") or []
-                            if k.lower() not in (b"content-type", b"content-length")]
                     start, held = held, None
-                    await _send_json(send, start["status"], body_for(start["status"], text), keep)
+                    await _send_as_json(send, start, body)
                     started = True
                 return
             return await send(message)
@@ -86,6 +83,9 @@ class OpenAIErrors:
             if started:
                 raise
             log.exception("the proxy failed a request before answering")
+        if not started and held is not None:  # a plain-text error whose body never ended: still its status
+            await _send_as_json(send, held, body)
+            started = True
         if not started:  # dropped without an answer: the replica handling it was lost (or the client left)
             try:
                 await _send_json(send, 503, body_for(503, "The server handling this request was lost before it "
@@ -93,6 +93,13 @@ class OpenAIErrors:
                                  [(b"retry-after", str(LOST_RETRY_AFTER_S).encode())])
             except Exception:  # the client is gone: nobody to answer
                 pass
+
+
+async def _send_as_json(send, start: dict, body: list[bytes]) -> None:
+    """A held plain-text error (its start message and body parts) as the OpenAI body, same status and headers."""
+    text = b"".join(body).decode("utf-8", "replace").strip() or f"HTTP {start['status']}"
+    keep = [(k, v) for k, v in start.get("headers") or [] if k.lower() not in (b"content-type", b"content-length")]
+    await _send_json(send, start["status"], body_for(start["status"], text), keep)
 
 
 async def _send_json(send, status: int, payload: bytes, headers: list) -> None:

@@ -139,14 +139,15 @@ def test_near_ties_go_to_the_node_sent_the_fewest_requests_lately():
     held = {"n0": holding(0, hit=5, disk=5)}  # the system prompt's 5 blocks, on n0's disk
     opts = options(1500, nodes, held, {}, CFG)
     random.seed(0)
-    busy = choose(opts, 1.25, recent={"n0": 4.0, "n1": 2.0, "n2": 1.0}, near=(0.25, 0.05))
+    busy = choose(opts, 1.25, recent={"n0": 4.0, "n1": 2.0, "n2": 1.0}, near=(0.25, 0.05, 0.5), prompt_len=1500)
     assert (busy.node_id, busy.reason, busy.fetch.peer, busy.tokens) == ("n2", "load", "n0", 320)
-    even = choose(opts, 1.25, recent={"n0": 1.0, "n1": 1.0, "n2": 1.0}, near=(0.25, 0.05))
+    even = choose(opts, 1.25, recent={"n0": 1.0, "n1": 1.0, "n2": 1.0}, near=(0.25, 0.05, 0.5), prompt_len=1500)
     assert (even.node_id, even.reason) == ("n0", "hit")
 
 
 def test_a_conversations_next_turn_stays_with_its_history_whatever_the_recent_load():
     nodes = [node(0), node(1), node(2)]
-    held = {"n0": holding(0, hit=30, disk=30)}  # 1920 tokens of history: pulling costs more than the margin
-    plan = choose(options(2000, nodes, held, {}, CFG), 1.25, recent={"n0": 9.0}, near=(0.25, 0.05))
+    held = {"n0": holding(0, hit=30, disk=30, block_bytes=4096)}  # 1920 tokens of history, cheap to pull
+    plan = choose(options(2000, nodes, held, {}, CFG), 1.25, recent={"n0": 9.0}, near=(0.25, 1.0, 0.5),
+                  prompt_len=2000)
     assert (plan.node_id, plan.reason, plan.tokens) == ("n0", "hit", 1920)

@@ -45,6 +45,12 @@ async def plain_503(scope, receive, send):
     await send({"type": "http.response.body", "body": b" requests."})
 
 
+async def plain_cut(scope, receive, send):
+    """A plain-text refusal whose body never ends (the proxy returns mid-body)."""
+    await send({"type": "http.response.start", "status": 429, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"Too many requests", "more_body": True})
+
+
 async def json_400(scope, receive, send):
     await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": b'{"error": {"message": "ours"}}'})
@@ -69,6 +75,12 @@ def test_a_plain_text_error_of_the_proxy_becomes_openais_keeping_status_and_retr
     assert status == 503 and headers[b"retry-after"] == b"2" and int(headers[b"content-length"]) == len(body)
     assert error(body) == {"message": "Request dropped: too many queued requests.", "type": "server_error",
                            "param": None, "code": "unavailable"}
+
+
+def test_a_plain_text_error_cut_off_mid_body_keeps_its_status():
+    status, _, body, parts = answer(plain_cut)
+    assert (status, parts) == (429, 1) and error(body)["code"] == "rate_limit_exceeded"
+    assert error(body)["message"] == "Too many requests"
 
 
 def test_json_answers_and_streams_pass_through_untouched():

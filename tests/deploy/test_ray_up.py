@@ -321,8 +321,9 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
         assert cold[2] == 0 and all(b[2] > 0 for b in burst), (cold, burst)
         assert {b[3] for b in burst} == {cold[3]}, (cold, burst)  # a cached or pulled answer is the cold one
         assert any(b[0] == holder and "reason=hit" in b[1] for b in burst), burst
-        pulled = [b for b in burst if b[0] != holder]
-        assert pulled and all(f"from={holder}" in b[1] and "fetched=0" not in b[1] for b in pulled), burst
+        # The others pull the holder's blocks (and a second request to a node that pulled them restores them
+        # locally: a hot prefix replicates to where it is used).
+        assert any(b[0] != holder and f"from={holder}" in b[1] and "fetched=0" not in b[1] for b in burst), burst
         print(f"affinity and migration across the bridge: {[b[1] for b in burst]} ({time.monotonic() - t0:.0f} s)")
 
         # Tear down as deploy/README.md says: `ray down` stops the head; `ray stop` on each worker.

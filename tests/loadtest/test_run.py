@@ -84,8 +84,9 @@ def test_plain_locust_needs_only_a_host(fleet, tmp_path):
 def test_the_runner_attached_reports_exact_totals_splits_and_files(fleet, tmp_path):
     out = tmp_path / "run"
     before = quiet_tokens(fleet)
+    # Its own seed: the plain locust run above (seed 0) has cached its prompts, and first turns must be cold.
     r = loadtest("--attach", fleet.url, "--users", "4", "--spawn-rate", "4", "--requests", "16",
-                 "--verify-fraction", "0.3", "--out", str(out))
+                 "--verify-fraction", "0.3", "--out", str(out), "--", "--workload-seed", "7")
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["runs"]) == ["affinity"]  # the attached fleet's policy, from x-fleet-route
