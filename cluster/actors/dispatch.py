@@ -107,8 +107,10 @@ class Dispatcher:
                     else RoutePlan(policy="pow2", reason="fallback"))
             request = dataclasses.replace(request, route=plan)
         # Counted on the planned node at once, so the next plans (made before this one reaches its
-        # replica) see it; moved to the node that really accepts it.
+        # replica) see it; moved to the node that really accepts it. Its uncached prompt tokens count as
+        # that node's queue until its first token (start returns then).
         reserved = self._reserve(request.route.node_id)
+        unqueue = self._queue(request.route.node_id, len(request.prompt_tokens) - request.route.tokens)
         try:
             for attempt in range(ATTEMPTS):
                 try:
@@ -120,6 +122,22 @@ class Dispatcher:
         except BaseException:
             reserved()  # never started: give the reservation back
             raise
+        finally:
+            unqueue()
+
+    def _queue(self, node_id: Optional[str], tokens: int) -> Callable[[], None]:
+        """Count `tokens` as queued on `node_id` now; returns the (idempotent) release."""
+        if self.router is None or node_id is None or tokens <= 0:
+            return lambda: None
+        self.router.track_queued(node_id, tokens)
+        released = []
+
+        def release():
+            if not released:
+                released.append(True)
+                self.router.track_queued(node_id, -tokens)
+
+        return release
 
     def _reserve(self, node_id: Optional[str]) -> Callable[[], None]:
         """Count a request on `node_id` now; returns the (idempotent) release."""

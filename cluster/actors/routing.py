@@ -2,15 +2,19 @@
 
 For every node with a replica of the model, from one index lookup:
 
-    predicted TTFT = queued prompt tokens / its prefill tokens/s                 (queue wait)
+    predicted TTFT = prompt tokens queued there / its prefill tokens/s          (queue wait)
                    + (uncached tokens / its prefill tokens/s) x (1 + its load)
                    + (bytes to pull from a peer / that link's bytes/s)         if pulling pays
 
 where the prefix it can restore is what it holds itself (RAM or disk), or
 what the best live peer holds on disk and it would pull first. A replica
 prefills its prompts first come, first served, so a new one waits for the
-prompt tokens already queued there (its lease's `queued_tokens`): without that
-term a holder of the whole prompt would look instant however long its queue.
+prompt tokens already queued there: without that term a holder of the whole
+prompt would look instant however long its queue. The queue counted is this
+gateway's own requests sent there whose first token has not come yet (their
+uncached tokens): exact and immediate. The replica's lease also carries
+`queued_tokens`, but up to a flush old; a queue the request just left would
+send the next turn of a conversation away from its history to be recomputed.
 Load counts sequences on the replica (its lease, at most a couple of seconds
 old) and this gateway's own requests in flight to it (exact, immediate).
 Prefill chunks run between the batch's decode steps, so each sequence on it
@@ -102,7 +106,7 @@ def prefill_speeds(nodes: list[ReplicaInfo], held: dict[str, Holding], default: 
 
 
 def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding], loads: dict[str, int],
-            cfg: RoutingConfig) -> list[Option]:
+            cfg: RoutingConfig, queued: Optional[dict[str, int]] = None) -> list[Option]:
     """Every candidate node's best way to answer, with its predicted TTFT."""
     out = []
     ns_of = {n.node_id: n.namespace for n in nodes}
@@ -112,7 +116,7 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
         lease = h.lease if h else {}
         tps = speeds[node.node_id]
         load = loads.get(node.node_id, 0)
-        wait = int(lease.get("queued_tokens") or 0) / tps
+        wait = (queued or {}).get(node.node_id, 0) / tps
         local = restorable(node, prompt_len, h.hit, h.ck) if h else 0
         best = Option(node, local, wait + (prompt_len - local) / tps * (1 + load), load, None,
                       _holder(node, prompt_len, h))
@@ -189,6 +193,7 @@ class Affinity:
         self.view = view
         self.cfg = cfg
         self.inflight: Counter = Counter()  # node id -> this gateway's requests running there
+        self.queued: Counter = Counter()  # node id -> uncached prompt tokens of its requests not started there
         self.reasons: Counter = Counter()
         self.lookup_s: deque = deque(maxlen=2000)
         self.recent: dict[str, tuple[float, float]] = {}  # node id -> (decayed requests sent, as of when)
@@ -197,6 +202,12 @@ class Affinity:
         self.inflight[node_id] += delta
         if self.inflight[node_id] <= 0:
             del self.inflight[node_id]
+
+    def track_queued(self, node_id: str, tokens: int) -> None:
+        """Prompt tokens this gateway sent to `node_id` that are not prefilled yet (+ when sent, - at start)."""
+        self.queued[node_id] += tokens
+        if self.queued[node_id] <= 0:
+            del self.queued[node_id]
 
     async def plan(self, model: str, prompt: list[int]) -> RoutePlan:
         if self.cfg.policy != "affinity":
@@ -213,7 +224,7 @@ class Affinity:
             return self._count(RoutePlan(policy="affinity", reason="fallback"))
         loads = {r.node_id: max(int((held.get(r.node_id).lease if held.get(r.node_id) else {}).get("active", 0)),
                                 self.inflight[r.node_id]) for r in nodes}
-        plan = choose(options(len(prompt), nodes, held, loads, self.cfg), self.cfg.load_factor,
+        plan = choose(options(len(prompt), nodes, held, loads, self.cfg, self.queued), self.cfg.load_factor,
                       recent=self._recent(nodes), near=(self.cfg.near_ratio, self.cfg.near_s, self.cfg.near_share),
                       prompt_len=len(prompt))
         self._sent(plan.node_id)

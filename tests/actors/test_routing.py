@@ -122,12 +122,15 @@ def test_a_really_faster_node_keeps_its_speed():
 
 
 def test_a_holder_with_prompts_queued_waits_for_them_in_the_prediction():
-    """A whole-prompt holder is not instant when 6,000 prompt tokens are queued ahead (6 s at 1,000
-    tokens/s): a free node that pulls the prefix answers first."""
+    """A whole-prompt holder is not instant when this gateway has sent it 6,000 prompt tokens that are not
+    prefilled yet (6 s at 1,000 tokens/s): a free node that pulls the prefix answers first. The lease's own
+    queued_tokens (6,000 here too) is not what counts: it may be a flush old."""
     nodes = [node(0), node(1)]
     idle = plan_for(2048, nodes, [holding(1, hit=32, disk=32)])
     assert idle.node_id == "n1" and idle.predicted_ttft_s < 0.01
-    queued = plan_for(2048, nodes, [holding(1, hit=32, disk=32, queued_tokens=6000)], loads={"n1": 1})
+    random.seed(0)
+    queued = choose(options(2048, nodes, {"n1": holding(1, hit=32, disk=32, queued_tokens=6000)}, {"n1": 1}, CFG,
+                            queued={"n1": 6000}), 1.25)
     assert queued.node_id == "n0" and queued.reason == "hit" and queued.fetch.peer == "n1"
     assert queued.predicted_ttft_s == pytest.approx(1 / 1000 * 1 + 32 * 262_144 / 100e6, rel=1e-6)
 
@@ -151,3 +154,10 @@ def test_a_conversations_next_turn_stays_with_its_history_whatever_the_recent_lo
     plan = choose(options(2000, nodes, held, {}, CFG), 1.25, recent={"n0": 9.0}, near=(0.25, 1.0, 0.5),
                   prompt_len=2000)
     assert (plan.node_id, plan.reason, plan.tokens) == ("n0", "hit", 1920)
+
+
+def test_a_stale_lease_queue_does_not_move_a_request_off_its_holder():
+    nodes = [node(0), node(1)]
+    held = {"n1": holding(1, hit=32, disk=32, queued_tokens=6000)}  # announced before its last prompt started
+    plan = choose(options(2048, nodes, held, {}, CFG, queued={}), 1.25)
+    assert (plan.node_id, plan.reason, plan.tokens) == ("n1", "hit", 2047)
