@@ -10,11 +10,13 @@ where the prefix it can restore is what it holds itself (RAM or disk), or
 what the best live peer holds on disk and it would pull first. A replica
 prefills its prompts first come, first served, so a new one waits for the
 prompt tokens already queued there: without that term a holder of the whole
-prompt would look instant however long its queue. The queue counted is this
-gateway's own requests sent there whose first token has not come yet (their
-uncached tokens): exact and immediate. The replica's lease also carries
-`queued_tokens`, but up to a flush old; a queue the request just left would
-send the next turn of a conversation away from its history to be recomputed.
+prompt would look instant however long its queue. The queue counted is the
+larger of this gateway's own requests sent there whose first token has not come
+yet (their uncached tokens: exact and immediate) and the replica's lease's
+`queued_tokens` (everyone's, other gateways' too, but up to a flush old). Right
+after one of this gateway's own requests started there, the lease is ignored:
+it may still show the queue that request just left, and that sent the next
+turn of a conversation away from its history to be recomputed.
 Load counts sequences on the replica (its lease, at most a couple of seconds
 old) and this gateway's own requests in flight to it (exact, immediate).
 Prefill chunks run between the batch's decode steps, so each sequence on it
@@ -152,13 +154,16 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity", rec
            near: tuple[float, float, float] = (0.0, 0.0, 0.0), prompt_len: int = 0) -> RoutePlan:
     """Bounded load, then the fastest predicted answer; ranked fallbacks for the router.
 
-    `recent` (node id -> requests sent there lately) and `near` (ratio, seconds, share): for a request of
-    which the fastest node restores at most `share` of its `prompt_len` tokens (a new conversation on a
-    shared system prompt, not a conversation's next turn), the nodes under the bound predicted within
-    `ratio` x the fastest + `seconds` count as equally fast, and the one sent the fewest requests lately
-    wins. Without it, a light load (where the instantaneous bound never binds) sends every conversation that
-    shares a system prompt to its first holder, when pulling the prompt from it would cost the others a few
-    milliseconds; the conversations' later turns then follow their first one."""
+    `recent` (node id -> requests sent there lately) and `near` (ratio, seconds, share): the nodes under
+    the bound predicted within `ratio` x the fastest + `seconds` count as equally fast. Among them:
+    - if none restores more than `share` of the `prompt_len` tokens (a new conversation on a shared system
+      prompt), the one sent the fewest requests lately wins. Without it, a light load (where the
+      instantaneous bound never binds) sends every conversation that shares a system prompt to its first
+      holder, when pulling the prompt from it would cost the others a few milliseconds; the
+      conversations' later turns then follow their first one;
+    - else (a conversation's next turn), the one holding the most of the prompt itself wins: a prediction
+      a few percent off (a load figure a moment old) must not send a history away to be pulled or
+      recomputed."""
     total = sum(o.load for o in opts)
     cap = math.ceil(load_factor * (total + 1) / len(opts))
     eligible = [o for o in opts if o.load + 1 <= cap] or opts
@@ -169,14 +174,19 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity", rec
 
     fastest = min(opts, key=key)
     chosen = min(eligible, key=key)
-    if recent is not None and chosen.tokens <= near[2] * prompt_len:
+    moved = chosen is not fastest  # by the load bound
+    if recent is not None:
         bound = chosen.ttft_s * (1 + near[0]) + near[1]
         close = [o for o in eligible if o.ttft_s <= bound]
-        chosen = min(close, key=lambda o: (round(recent.get(o.node.node_id, 0.0), 3), key(o)))
+        if max(o.tokens for o in close) <= near[2] * prompt_len:  # little to lose: spread
+            spread = min(close, key=lambda o: (round(recent.get(o.node.node_id, 0.0), 3), key(o)))
+            moved, chosen = moved or spread is not chosen, spread
+        else:  # most of the prompt is cached somewhere close: the node that holds the most of it itself
+            chosen = max(close, key=lambda o: (0 if o.fetch else o.tokens, o.tokens, -o.ttft_s))
     if not any(o.tokens for o in opts):
         reason = "miss"
     else:
-        reason = "hit" if chosen is fastest else "load"
+        reason = "load" if moved else "hit"
     ranked = [chosen] + sorted((o for o in eligible if o is not chosen), key=key) + \
         sorted((o for o in opts if o not in eligible), key=key)
     return RoutePlan(policy=policy, reason=reason, node_id=chosen.node.node_id,
@@ -194,6 +204,7 @@ class Affinity:
         self.cfg = cfg
         self.inflight: Counter = Counter()  # node id -> this gateway's requests running there
         self.queued: Counter = Counter()  # node id -> uncached prompt tokens of its requests not started there
+        self.started_at: dict[str, float] = {}  # node id -> when one of its requests last started there
         self.reasons: Counter = Counter()
         self.lookup_s: deque = deque(maxlen=2000)
         self.recent: dict[str, tuple[float, float]] = {}  # node id -> (decayed requests sent, as of when)
@@ -206,8 +217,20 @@ class Affinity:
     def track_queued(self, node_id: str, tokens: int) -> None:
         """Prompt tokens this gateway sent to `node_id` that are not prefilled yet (+ when sent, - at start)."""
         self.queued[node_id] += tokens
+        if tokens < 0:
+            self.started_at[node_id] = time.monotonic()
         if self.queued[node_id] <= 0:
             del self.queued[node_id]
+
+    def queue_of(self, nodes: list[ReplicaInfo], held: dict[str, Holding]) -> dict[str, int]:
+        """Each node's queued prompt tokens: this gateway's own, or its lease's when that cannot be stale."""
+        fresh_after = time.monotonic() - (2 * self.cfg.index_flush_s + 0.1)  # a lease written since
+        out = {}
+        for r in nodes:
+            lease = held[r.node_id].lease if r.node_id in held else {}
+            trusted = self.started_at.get(r.node_id, float("-inf")) < fresh_after
+            out[r.node_id] = max(self.queued[r.node_id], int(lease.get("queued_tokens") or 0) if trusted else 0)
+        return out
 
     async def plan(self, model: str, prompt: list[int]) -> RoutePlan:
         if self.cfg.policy != "affinity":
@@ -224,7 +247,8 @@ class Affinity:
             return self._count(RoutePlan(policy="affinity", reason="fallback"))
         loads = {r.node_id: max(int((held.get(r.node_id).lease if held.get(r.node_id) else {}).get("active", 0)),
                                 self.inflight[r.node_id]) for r in nodes}
-        plan = choose(options(len(prompt), nodes, held, loads, self.cfg, self.queued), self.cfg.load_factor,
+        plan = choose(options(len(prompt), nodes, held, loads, self.cfg, self.queue_of(nodes, held)),
+                      self.cfg.load_factor,
                       recent=self._recent(nodes), near=(self.cfg.near_ratio, self.cfg.near_s, self.cfg.near_share),
                       prompt_len=len(prompt))
         self._sent(plan.node_id)

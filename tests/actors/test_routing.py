@@ -161,3 +161,28 @@ def test_a_stale_lease_queue_does_not_move_a_request_off_its_holder():
     held = {"n1": holding(1, hit=32, disk=32, queued_tokens=6000)}  # announced before its last prompt started
     plan = choose(options(2048, nodes, held, {}, CFG, queued={}), 1.25)
     assert (plan.node_id, plan.reason, plan.tokens) == ("n1", "hit", 2047)
+
+
+def test_the_lease_queue_counts_unless_a_request_of_ours_just_started_there():
+    from cluster.actors.routing import Affinity
+
+    router = Affinity(None, None, CFG)
+    nodes = [node(0), node(1)]
+    held = {"n0": holding(0, queued_tokens=900), "n1": holding(1, queued_tokens=300)}
+    router.track_queued("n1", 400)
+    assert router.queue_of(nodes, held) == {"n0": 900, "n1": 400}  # the larger of ours and the lease's
+    router.track_queued("n1", -400)  # it started: n1's lease may still show it
+    assert router.queue_of(nodes, held) == {"n0": 900, "n1": 0}
+    router.started_at["n1"] -= 1.0  # a flush later
+    assert router.queue_of(nodes, held) == {"n0": 900, "n1": 300}
+
+
+def test_a_history_is_not_sent_away_for_a_prediction_a_few_percent_off():
+    """The holder looks 0.3 s busy (a load figure a moment old); recomputing all 2048 tokens elsewhere is
+    predicted 2.048 s against its 2.049 s. Within the margin, the node holding the history keeps it."""
+    nodes = [node(0), node(1)]
+    held = {"n1": holding(1, hit=32, disk=0)}  # in RAM only: nobody can pull it
+    opts = options(2048, nodes, held, {}, CFG, queued={"n1": 2048})
+    assert min(opts, key=lambda o: o.ttft_s).node.node_id == "n0"
+    plan = choose(opts, 1.25, recent={}, near=(0.25, 0.05, 0.5), prompt_len=2048)
+    assert (plan.node_id, plan.reason, plan.tokens) == ("n1", "hit", 2047)
