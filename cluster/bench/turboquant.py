@@ -87,7 +87,7 @@ def fidelity(sets, codec: str, seed: bytes) -> dict:
             else:  # as blocks hold them: B rows of every head, centred on the block's mean row
                 blocks = blocked(x)
                 t0 = time.perf_counter()
-                e = tq.encode(blocks, TQ_BITS[codec], seed, center=centred(blocks.shape))
+                e = tq.encode(blocks, TQ_BITS[codec], seed, center=centred(blocks.shape, TQ_BITS[codec]))
                 t1 = time.perf_counter()
                 y = unblocked(tq.decode(e, seed), x.shape)
                 enc_s, dec_s, n = enc_s + t1 - t0, dec_s + time.perf_counter() - t1, e.nbytes

@@ -33,8 +33,9 @@ STEP = 256  # KVCache's own growth step
 # code must not be read by the new: the descriptor is part of the fingerprint
 # (so the namespace changes) and of every block header (so a block is refused
 # if it disagrees).
-# tq*: 2 = centred on each block's mean row, norm-preserving float16 scales (1: plain norms in float32).
-CODEC_VERSIONS = {"native": 1, "q8": 1, "q4": 1, "tq8": 2, "tq4": 2, "tq3": 2, "tq2": 2}
+# tq*: 3 = int8 mean, log-coded uint8 row scales, and the bits that saves spent on bits+1 for some coordinates;
+#      2 = centred on each block's mean row, norm-preserving float16 scales; 1 = plain norms in float32.
+CODEC_VERSIONS = {"native": 1, "q8": 1, "q4": 1, "tq8": 3, "tq4": 3, "tq3": 3, "tq2": 3}
 CODEC_BITS = {"native": None, "q8": 8, "q4": 4, "tq8": 8, "tq4": 4, "tq3": 3, "tq2": 2}
 AFFINE = ("q8", "q4")  # mlx's QuantizedKVCache: the model itself runs quantized
 

@@ -9,8 +9,9 @@ the model dtype before restore, so the model always runs native caches:
 
 Each K and V array is one block's rows of every head, [1, heads, rows, d]. It is
 centred on its per-head mean row when it has at least CENTER_MIN_ROWS rows (the
-mean then costs at most half a bit per coordinate; below that it would cost more
-than it saves, so short blocks keep plain rows and no mean).
+int8 mean and its scales then cost at most a quarter bit per coordinate; below
+that they would cost more than they save, so short blocks keep plain rows,
+float16 scales and no mean).
 
 What stays lossless, and why:
 - recurrent state (checkpoints): one wrong bit there is carried into every later
@@ -22,8 +23,8 @@ Sliding-window entries are encoded like full ones: a block stores their tail as
 plain K/V rows, so the codec never needs to know about the window (mlx-lm's own
 QuantizedKVCache cannot do sliding windows; this does not need to).
 
-The RAM tier keeps blocks encoded too: tq4 needs about 0.27x the bytes of
-float16 K/V, so the same RAM budget holds about 3.7x more blocks; each hit pays
+The RAM tier keeps blocks encoded too: tq4 needs about 0.28x the bytes of
+float16 K/V, so the same RAM budget holds about 3.5x more blocks; each hit pays
 one decode (numpy, off the model thread, in admission).
 """
 
@@ -75,12 +76,7 @@ class TurboQuantPayload:
             if not coded:
                 out.append(sig)
                 continue
-            arrays = []
-            for _, shape in sig:
-                if centred(shape):
-                    arrays.append(("float16", (*shape[:-2], 1, shape[-1])))
-                arrays += [("float16", shape[:-1]), ("uint8", (-(-int(np.prod(shape)) * self.bits // 8),))]
-            out.append(tuple(arrays))
+            out.append(tuple(a for _, shape in sig for a in tq.arrays(shape, self.bits, centred(shape, self.bits))))
         return tuple(out)
 
     def encode(self, entries: list[list[Tagged]]) -> list[list[Tagged]]:
@@ -91,9 +87,8 @@ class TurboQuantPayload:
                 continue
             packed = []
             for tagged in arrays:
-                e = tq.encode(to_float32(tagged), self.bits, self.seed, center=centred(tagged[1].shape))
-                packed += ([("float16", e.mean)] if e.mean is not None else []) + \
-                    [("float16", e.scales), ("uint8", e.packed)]
+                e = tq.encode(to_float32(tagged), self.bits, self.seed, center=centred(tagged[1].shape, self.bits))
+                packed += [(a.dtype.name, a) for a in e.arrays()]
             out.append(packed)
         return out
 
@@ -105,11 +100,10 @@ class TurboQuantPayload:
                 continue
             kv, at = [], 0
             for tag, shape in sig:
-                mean = None
-                if centred(shape):
-                    mean, at = arrays[at][1], at + 1
-                (_, scales), (_, packed), at = arrays[at], arrays[at + 1], at + 2
-                x = tq.decode(tq.Encoded(shape, "float32", scales, packed, self.bits, mean), self.seed)
+                center = centred(shape, self.bits)
+                n = len(tq.arrays(shape, self.bits, center))
+                held, at = [a for _, a in arrays[at:at + n]], at + n
+                x = tq.decode(tq.Encoded.of(shape, "float32", self.bits, center, held), self.seed)
                 kv.append(from_float32(x, tag))
             out.append(kv)
         return out
@@ -134,9 +128,10 @@ class TurboQuantPayload:
                 "rel_mse": float(r.mean()), "vectors": int(c.size)}
 
 
-def centred(shape: tuple) -> bool:
-    """Whether an array of this shape [..., rows, d] is coded as its residual from the mean row."""
-    return len(shape) >= 2 and shape[-2] >= CENTER_MIN_ROWS
+def centred(shape: tuple, bits: int) -> bool:
+    """Whether an array of this shape [..., rows, d] is coded as its residual from the mean row: from
+    CENTER_MIN_ROWS rows, where the mean stays within affine quantization's payload (tq8 at d = 64: 34)."""
+    return len(shape) >= 2 and shape[-2] >= CENTER_MIN_ROWS and tq.can_center(shape[-2], shape[-1], bits)
 
 
 def payload_codec(name: str, layout: Layout, native: Signature, seed: bytes) -> Optional[TurboQuantPayload]:
