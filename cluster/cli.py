@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="sequences a replica prefills at once (default 8)")
     up.add_argument("--stream-interval", type=float, default=None, metavar="SECONDS",
                     help="after the first token, send each request's tokens at most this often, gathered (default 0.02; 0: every step)")
+    up.add_argument("--stream-messages", type=float, default=None, metavar="PER_S",
+                    help="most messages per second a replica streams over all its requests; with more streams each "
+                         "one's interval grows (default 100; 0: no bound)")
     up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503")
     up.add_argument("--api-keys-file", default=None, metavar="FILE",
                     help="require 'Authorization: Bearer <key>' with one of the keys in FILE (one per line); "
@@ -98,7 +101,8 @@ def _data_dir(p: argparse.ArgumentParser) -> None:
 def _fleet_config(a: argparse.Namespace) -> FleetConfig:
     overrides = {k: v for k, v in {"max_context": a.max_context, "decode_concurrency": a.decode_concurrency,
                                    "prefill_concurrency": a.prefill_concurrency,
-                                   "stream_interval_s": a.stream_interval}.items() if v is not None}
+                                   "stream_interval_s": a.stream_interval,
+                                   "stream_messages_per_s": a.stream_messages}.items() if v is not None}
     if a.no_batching:
         overrides["batching"] = False
     models = [ModelSpec.parse(m, **overrides) for m in (a.model or ["tiny-dense"])]

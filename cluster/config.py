@@ -96,6 +96,9 @@ class ModelSpec(_Config):
     stream_interval_s: float = Field(
         0.02, ge=0.0, le=1.0, description="After a request's first token (always sent at once), its tokens go to the gateway at most this often, gathered: each message costs two Ray hops of CPU. 0: every decode step.",
     )
+    stream_messages_per_s: float = Field(
+        100.0, ge=0.0, description="Most messages per second one replica streams, over all its requests: with many streams each one's interval grows to streams / this (8 streams at 100: 0.08 s), so the CPU the Ray hops cost stays bounded however many stream at once. 0: no bound (stream_interval_s alone).",
+    )
     prefill_step_tokens: int = Field(512, ge=16, description="Prompt tokens per prefill chunk; other requests' decode steps interleave between chunks.")
     batching: bool = Field(
         True, description="Continuous batching: every decoding sequence of a replica advances in one batched forward. Off: sequences take turns, one token each. A model whose cache classes cannot batch (e.g. kv_codec q8/q4) is served in turns either way, and status says why.",

@@ -12,7 +12,7 @@ whole streamed answer):
 
     TTFT   cold | partial | full     time to the first content chunk, by how much of the prompt
                                      the fleet restored (usage.prompt_tokens_details.cached_tokens)
-    ITL    inter-token               mean gap between content chunks, one sample per request
+    ITL    inter-token               time per token after the first, one sample per request
     VERIFY cold replay               --verify-fraction of greedy answers asked again with
                                      `x-fleet-cache: bypass`; a different text is a failure
 
@@ -26,7 +26,6 @@ import itertools
 import json
 import logging
 import os
-import statistics
 import threading
 import time
 from dataclasses import asdict, fields
@@ -201,8 +200,8 @@ class FleetUser(User):
         if res.ok and res.ttft_s is not None:
             fire(request_type="TTFT", name=state, response_time=res.ttft_s * 1000, response_length=res.prompt_tokens,
                  exception=None, context={"node": res.node})
-        if res.gaps_s:
-            fire(request_type="ITL", name="inter-token", response_time=statistics.fmean(res.gaps_s) * 1000,
+        if res.ok and res.itl_s is not None:
+            fire(request_type="ITL", name="inter-token", response_time=res.itl_s * 1000,
                  response_length=res.completion_tokens, exception=None, context={"node": res.node})
 
     def _verify(self, url: str, body: dict, cached: Result) -> None:
@@ -233,9 +232,9 @@ class FleetUser(User):
 
 def _row(kind: str, workload: str, started: float, res: Result, state: str) -> dict:
     route = res.route_fields()
-    row = {k: v for k, v in asdict(res).items() if k != "gaps_s"}
+    row = {k: v for k, v in asdict(res).items() if k != "last_s"}
     row.update(kind=kind, workload=workload, t_start=started, t_end=started + res.total_s, ok=res.ok,
-               cache_state=state if res.ok else None, itl_s=statistics.fmean(res.gaps_s) if res.gaps_s else None,
+               cache_state=state if res.ok else None, itl_s=res.itl_s,
                policy=route["policy"], reason=route.get("reason", ""), local=int(route.get("local", 0)),
                fetched=int(route.get("fetched", 0)), pid=os.getpid())
     return row

@@ -1,7 +1,7 @@
 """One streamed chat completion, timed the way a user feels it.
 
-    request sent ──► headers ──► first content chunk ──► ... chunks ... ──► usage chunk, [DONE]
-    t0                           ttft                    inter-token gaps         total
+    request sent ──► headers ──► first content chunk ──► ... chunks ... ──► last content chunk ──► usage, [DONE]
+    t0                           ttft                    (last - ttft) / (tokens - 1) = ITL         total
 
 TTFT is the time to the first chunk that carries text (not the role chunk a chat
 stream opens with). Token counts come from the final usage chunk
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import requests
@@ -28,7 +28,7 @@ class Result:
     text: str = ""
     ttft_s: Optional[float] = None
     total_s: float = 0.0
-    gaps_s: list[float] = field(default_factory=list)  # between consecutive content chunks
+    last_s: Optional[float] = None  # when the last content chunk came, from t0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -38,6 +38,15 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.status == 200 and not self.error
+
+    @property
+    def itl_s(self) -> Optional[float]:
+        """Inter-token latency: the time per token after the first, (last content - first content) /
+        (tokens - 1), as vLLM's benchmarks define TPOT. Not the gap between chunks: a chunk may carry several
+        tokens (a replica gathers them under its message budget), and chunk gaps would overstate it."""
+        if self.ttft_s is None or self.last_s is None or self.completion_tokens < 2:
+            return None
+        return (self.last_s - self.ttft_s) / (self.completion_tokens - 1)
 
     def route_fields(self) -> dict:
         """`x-fleet-route` as a dict: {"policy": ..., "reason": ..., "local": ..., "fetched": ...}."""
@@ -50,7 +59,6 @@ def stream_chat(session: requests.Session, url: str, body: dict, headers: dict, 
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     out = Result()
     t0 = time.perf_counter()
-    last = None
     try:
         with session.post(url, json=body, headers=headers, stream=True, timeout=timeout_s) as r:
             out.status, out.node, out.route = r.status_code, r.headers.get("x-fleet-node", ""), r.headers.get("x-fleet-route", "")
@@ -71,9 +79,7 @@ def stream_chat(session: requests.Session, url: str, body: dict, headers: dict, 
                 if text:
                     if out.ttft_s is None:
                         out.ttft_s = now - t0
-                    else:
-                        out.gaps_s.append(now - last)
-                    last = now
+                    out.last_s = now - t0
                     out.text += text
     except (requests.RequestException, ValueError) as e:
         out.error = type(e).__name__

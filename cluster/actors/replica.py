@@ -66,6 +66,7 @@ class ModelReplica:
                                        app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                          "cached_tokens": 0, "fetched_tokens": 0, "completion_tokens": 0}
+        self.streams = 0  # requests streaming from this replica now (its event loop only)
         self.lease = None
         if app.redis_url:
             self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats,
@@ -144,9 +145,11 @@ class ModelReplica:
             return
         self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
         ended = started = False
-        interval, last = self.spec.stream_interval_s, 0.0
+        last = 0.0
+        self.streams += 1
         try:
             while not ended:
+                interval = stream_interval(self.spec.stream_interval_s, self.spec.stream_messages_per_s, self.streams)
                 events = await inbox.get()
                 while not inbox.empty():
                     events.extend(inbox.get_nowait())
@@ -165,6 +168,7 @@ class ModelReplica:
                 yield events
                 last = loop.time()
         finally:
+            self.streams -= 1
             if not ended:
                 self.counters["cancelled"] += 1
                 self.scheduler.cancel(request.request_id)
@@ -201,6 +205,7 @@ class ModelReplica:
             "renewed": time.time(),
             "healthy": self.scheduler.alive,
             "prefill_tps": round(self.scheduler.prefill_tps, 1),
+            "streams": self.streams,
             **self.scheduler.load(),
             "batching": self.scheduler.stats(),
             **self.counters,
@@ -261,6 +266,16 @@ def _ray_node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def stream_interval(base_s: float, messages_per_s: float, streams: int) -> float:
+    """Seconds between one stream's messages: `base_s`, or longer when `streams` at that interval would pass
+    the replica's message budget. Every message costs the same CPU in two Ray hops however many tokens it
+    carries, so the budget, not the token rate, is what bounds that cost; a stream with more tokens per
+    message loses nothing but update rate (8 streams at 100/s: 12.5 updates a second each)."""
+    if messages_per_s <= 0:
+        return base_s
+    return max(base_s, streams / messages_per_s)
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue):

@@ -48,7 +48,7 @@ def _redis_line(redis: dict) -> str:
 def _batch_line(r: dict) -> str:
     b = r.get("batching") or {}
     stages = (f"decoding {r.get('decoding', 0)}, waiting {r.get('waiting', 0)}, "
-              f"{r.get('queued_tokens', 0)} prompt tokens to prefill")
+              f"{r.get('queued_tokens', 0)} prompt tokens to prefill, {r.get('streams', 0)} streaming")
     if not b.get("batching"):
         return f"batching: off ({b.get('reason') or '-'}); {stages}"
     return (f"batching: up to {b['decode_concurrency']} decoding, {b['prefill_concurrency']} prefilling, "

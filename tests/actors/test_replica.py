@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cluster.actors.replica import ModelReplica
+from cluster.actors.replica import ModelReplica, stream_interval
 from cluster.config import AppConfig, CacheConfig, ModelSpec
 from cluster.engine.events import Accepted, Delta, Finished, Started
 from cluster.actors.plan import GenerateRequest
@@ -139,6 +139,37 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(app):
         assert stats["batching"]["decode_concurrency"] == app.models[0].max_ongoing_requests
         assert {k: stats[k] for k in ("active", "queued_tokens", "decoding", "waiting")} == \
             {"active": 0, "queued_tokens": 0, "decoding": 0, "waiting": 0}
+    finally:
+        replica.__del__()
+
+
+def test_the_message_budget_stretches_each_streams_interval_with_the_number_of_streams():
+    assert stream_interval(0.02, 200, 1) == 0.02
+    assert stream_interval(0.02, 200, 8) == pytest.approx(0.04)
+    assert stream_interval(0.0, 200, 1) == pytest.approx(0.005)
+    assert stream_interval(0.02, 0, 64) == 0.02  # no budget
+
+
+def test_streams_under_a_message_budget_send_few_messages_and_the_same_tokens(app):
+    """4 streams with a budget of 0.5 messages/s: each stream's interval is 8 s, longer than the whole
+    answer, so after [Accepted] and the first token everything up to the end is gathered into one message
+    (the end goes out the moment it comes). The tokens are those of an unbounded replica."""
+    spec = app.models[0].model_copy(update={"stream_messages_per_s": 0.5})
+    replica = ModelReplica(spec, app)
+    try:
+        async def messages(req):
+            return [events async for events in replica.generate(req)]
+
+        async def run():
+            return await asyncio.gather(*(messages(request(f"m{i}", p, 12)) for i, p in enumerate(PROMPTS)))
+
+        streamed = asyncio.run(run())
+        for msgs in streamed:
+            assert isinstance(msgs[0][0], Accepted) and isinstance(msgs[-1][-1], Finished)
+            assert len(msgs) <= 4, [[type(e).__name__ for e in m] for m in msgs]
+        assert replica.stats()["streams"] == 0
+        alone = [tokens(asyncio.run(collect(replica, request(f"a{i}", p, 12)))) for i, p in enumerate(PROMPTS)]
+        assert [tokens([e for m in msgs for e in m]) for msgs in streamed] == alone
     finally:
         replica.__del__()
 
