@@ -13,8 +13,10 @@ cold caches, the same seeded workload), or once against a fleet already running
     stop it (mlx-fleet down)                    ─┘
     → out/summary.json, out/ttft.png, out/throughput.png, out/reuse.png, and the ratios printed
 
-It ends by itself (a duration, or a request count with a generous time cap) and
-targets only loopback unless told otherwise (`--allow-remote`).
+It ends by itself (a duration, or a request count with a generous time cap),
+letting the requests in flight at the end finish so that the records and the
+fleet's own totals agree, and targets only loopback unless told otherwise
+(`--allow-remote`).
 Arguments after `--` go to locust as they are (workload sizes: `-- --doc-words 2000`).
 """
 
@@ -91,6 +93,11 @@ def locust_command(a: argparse.Namespace, url: str, run_dir: Path) -> list[str]:
     if a.requests:
         cmd += ["--max-requests", str(a.requests)]
     cmd += ["-t", duration or "2h"]  # a request count still gets a cap, so the run always ends
+    # At the end (the time, or --requests), let every request in flight finish and be recorded, as the
+    # fleet will serve and count it anyway: killed mid-request, a streamed answer or a cold replay would be
+    # in the replicas' totals and missing from the records. Up to the per-request timeout; a later
+    # --stop-timeout after `--` overrides it.
+    cmd += ["--stop-timeout", "600"]
     return cmd + [x for x in a.locust_args if x != "--"]
 
 
