@@ -127,31 +127,11 @@ class Dispatcher:
 
     def _queue(self, node_id: Optional[str], tokens: int) -> Callable[[], None]:
         """Count `tokens` as queued on `node_id` now; returns the (idempotent) release."""
-        if self.router is None or node_id is None or tokens <= 0:
-            return lambda: None
-        self.router.track_queued(node_id, tokens)
-        released = []
-
-        def release():
-            if not released:
-                released.append(True)
-                self.router.track_queued(node_id, -tokens)
-
-        return release
+        return _held(self.router and self.router.track_queued, node_id, tokens)
 
     def _reserve(self, node_id: Optional[str]) -> Callable[[], None]:
         """Count a request on `node_id` now; returns the (idempotent) release."""
-        if self.router is None or node_id is None:
-            return lambda: None
-        self.router.track(node_id, +1)
-        released = []
-
-        def release():
-            if not released:
-                released.append(True)
-                self.router.track(node_id, -1)
-
-        return release
+        return _held(self.router and self.router.track, node_id, 1)
 
     async def _attempt(self, served: ServedModel, request: GenerateRequest, reserved: Callable[[], None]) -> Run:
         response = served.handle.options(stream=True).generate.remote(request)
@@ -199,6 +179,23 @@ class Dispatcher:
             finally:
                 run.cancel()
         raise unavailable(f"replicas of '{served.name}' kept failing; retry shortly", self.config.gateway.retry_after_s)
+
+
+def _held(track: Optional[Callable[[str, int], None]], node_id: Optional[str], amount: int) -> Callable[[], None]:
+    """Add `amount` for `node_id` with `track` now; returns the release that takes it back, once however
+    often it is called (a run's close and an error path may both call it)."""
+    if track is None or node_id is None or amount <= 0:
+        return lambda: None
+    track(node_id, amount)
+    released = False
+
+    def release():
+        nonlocal released
+        if not released:
+            released = True
+            track(node_id, -amount)
+
+    return release
 
 
 async def _gather(run: Run) -> tuple[Delta, Finished]:
