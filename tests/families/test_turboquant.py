@@ -101,8 +101,11 @@ def test_the_payload_never_exceeds_affine_quantization_at_the_same_bits(bits, ro
         e = tq.encode(x, bits, SEED, center=center)
         assert e.nbytes == sum(int(np.prod(shape)) * np.dtype(t).itemsize for t, shape in tq.arrays(x.shape, bits, center))
         assert e.nbytes <= affine, (center, e.nbytes, affine)
-    assert tq.extra_coordinates(64, 64, 4, True) == 15 and tq.extra_coordinates(64, 128, 4, True) == 39
     assert tq.extra_coordinates(rows, d, 8, True) == 0
+
+
+def test_what_the_spare_bits_buy_at_tq4_in_a_64_token_block():
+    assert tq.extra_coordinates(64, 64, 4, True) == 15 and tq.extra_coordinates(64, 128, 4, True) == 39
 
 
 def attention_error(k, v, kk, vv) -> float:
