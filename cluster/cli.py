@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _this_command() -> str:
+    """How this CLI was run, for the hints it prints: `.venv/bin/mlx-fleet` (make's) is not on PATH."""
+    exe = Path(sys.argv[0])
+    return shlex.quote(str(exe)) if exe.name == "mlx-fleet" and exe.parent != Path() else "mlx-fleet"
+
+
 def _data_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
                    help=f"fleet state directory (default $MLX_FLEET_DATA_DIR or {default_data_dir()})")
@@ -140,7 +147,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     print("  try:\n"
           f"    curl {state.http_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'")
-    print(f"  stop:      mlx-fleet down --data-dir {state.data_dir}")
+    print(f"  stop:      {_this_command()} down --data-dir {state.data_dir}")
     if cfg.foreground:
         return _stay_attached(Path(state.data_dir))
     return 0

@@ -87,8 +87,8 @@ class ServedModel:
     def _refuse_oversized(self, chars: int, param: str) -> None:
         if chars > SLACK * self.context * self.max_token_bytes:
             raise bad_request(
-                f"This model's maximum context length is {self.context} tokens, and the {param} has {chars} "
-                f"characters: far more tokens than fit. Please reduce the {param}.", param,
+                f"This model's maximum context length is {self.context} tokens; {chars} characters of {param} "
+                f"are far more tokens than fit. Please reduce the {param}.", param,
                 code="context_length_exceeded")
 
     def _chat_tokens(self, body) -> list[int]:
@@ -110,16 +110,18 @@ class ServedModel:
             raise bad_request("the prompt is empty after tokenization", "prompt")
         room = self.context - len(prompt)
         requested = body.requested_max_tokens()
+        prompt_param = "messages" if chat else "prompt"
         if requested is not None and requested > room:
+            # The field to fix: the prompt when it alone does not fit, else max_tokens.
             raise bad_request(
                 f"This model's maximum context length is {self.context} tokens. However, you requested "
                 f"{len(prompt) + requested} tokens ({len(prompt)} in the prompt, {requested} for the completion). "
-                "Please reduce the prompt or max_tokens.", "max_tokens", code="context_length_exceeded")
+                "Please reduce the prompt or max_tokens.", prompt_param if room < 1 else "max_tokens",
+                code="context_length_exceeded")
         if room < 1:
             raise bad_request(
                 f"This model's maximum context length is {self.context} tokens, and the prompt alone has "
-                f"{len(prompt)}. Please reduce the prompt.", "messages" if chat else "prompt",
-                code="context_length_exceeded")
+                f"{len(prompt)}. Please reduce the prompt.", prompt_param, code="context_length_exceeded")
         max_tokens = requested if requested is not None else min(self.spec.default_max_tokens, room)
         sampling = SamplingParams(
             temperature=float(_or(body.temperature, self.spec.default_temperature)), top_p=float(_or(body.top_p, 1.0)),

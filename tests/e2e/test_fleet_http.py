@@ -359,6 +359,7 @@ def test_a_long_prompt_that_passes_the_cheap_check_is_tokenized_and_refused(http
     text = "fleet " * 30_000  # 180k characters: under the cheap bound (213k here), still 30k tokens
     err = error_of(http.post("/v1/completions", json={"model": MODEL, "prompt": text}), 400)
     assert err["code"] == "context_length_exceeded" and " in the prompt, 16 for the completion" in err["message"], err
+    assert err["param"] == "prompt"  # the prompt alone does not fit: that is the field to fix, not max_tokens
     assert "characters" not in err["message"]  # tokenized (off the loop), not refused by its length
 
 
