@@ -131,7 +131,11 @@ def test_a_corrupt_block_on_the_peer_is_refused_and_answers_stay_exact(fleet, ht
         results = list(pool.map(lambda _: chat(http, ask, max_tokens=12), range(12)))
     assert {text for _, text, _ in results} == {reference}  # exact, whoever answered and whatever they pulled
     pulled = [route(r) for r, _, _ in results if route(r).get("from") == holder]
-    assert pulled and all(int(x["fetched"]) <= 2 * B for x in pulled)  # nothing from the bad block on was used
+    # Nothing from the bad block on was used: a pull stopped before it, unless the holder had meanwhile put a
+    # good copy back (a peer reads its disk only; its RAM copy was intact and spilled again once the bad file
+    # was quarantined), in which case that file no longer holds the corrupted bytes.
+    past = [x for x in pulled if int(x["fetched"]) > 2 * B]
+    assert pulled and (not past or (victim.exists() and victim.read_bytes() != bytes(data))), (pulled, past)
     disk = next(n["disk"] for n in fleet.status()["nodes"] if n["node_id"] == holder)
     assert disk["quarantined"]["payload"] == 1  # refused where it was read: on the holder
 
