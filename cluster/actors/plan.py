@@ -41,6 +41,7 @@ class RoutePlan:
     # there, and what a replica the router moved the request to pulls instead of recomputing.
     fetch: Optional[FetchPlan] = None
     predicted_ttft_s: float = 0.0
+    origin: str = ""  # the gateway that planned it: replicas count its requests apart (Scheduler.load)
 
     def header(self, served_by: str, local: int, fetched: int, fetched_from: Optional[str]) -> str:
         """The x-fleet-route value: a replica other than the planned one means the router moved it (load)."""

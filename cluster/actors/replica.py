@@ -143,7 +143,8 @@ class ModelReplica:
             param = getattr(e, "param", None) or ("tool_choice" if request.params.tool_choice else "response_format")
             yield [Failed(str(e), status=400, param=param)]
             return
-        self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox))
+        self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox),
+                              request.route.origin if request.route is not None else "")
         ended = started = False
         last = 0.0
         self.streams += 1

@@ -11,14 +11,17 @@ what the best live peer holds on disk and it would pull first. A replica
 prefills its prompts first come, first served, so a new one waits for the
 prompt tokens already queued there: without that term a holder of the whole
 prompt would look instant however long its queue. The queue counted is the
-larger of this gateway's own requests sent there whose first token has not come
-yet (their uncached tokens: exact and immediate) and the replica's lease's
-`queued_tokens` (everyone's, other gateways' too, but up to a flush old). Right
-after one of this gateway's own requests started there, the lease is ignored:
-it may still show the queue that request just left, and that sent the next
-turn of a conversation away from its history to be recomputed.
-Load counts sequences on the replica (its lease, at most a couple of seconds
-old) and this gateway's own requests in flight to it (exact, immediate).
+other gateways' share of the replica's lease's `queued_tokens` (a flush old)
+plus this gateway's own requests sent there whose first token has not come yet
+(their uncached tokens: exact and immediate). The lease splits its counts by
+gateway, so each gateway replaces its own share with what it knows: a stale
+lease showing the queue a request of ours just left would send the next turn
+of a conversation away from its history to be recomputed.
+Load counts sequences the same way: the other gateways' on the replica (its
+lease) plus this gateway's own requests in flight to it. Taking the larger of
+the lease and our own count instead lost the other gateway's requests whenever
+ours were more: two gateways each filled a hot prompt's holder to the bound
+(16 of 30 requests on one of 3 nodes).
 Prefill chunks run between the batch's decode steps, so each sequence on it
 slows a new prefill: hence the (1 + load). That is conservative for sequences
 that are only decoding, which batching makes cheap.
@@ -51,10 +54,12 @@ two choices), `policy` (pow2 / round_robin configured).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
 import time
+import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
@@ -204,7 +209,7 @@ class Affinity:
         self.cfg = cfg
         self.inflight: Counter = Counter()  # node id -> this gateway's requests running there
         self.queued: Counter = Counter()  # node id -> uncached prompt tokens of its requests not started there
-        self.started_at: dict[str, float] = {}  # node id -> when one of its requests last started there
+        self.origin = uuid.uuid4().hex[:12]  # this gateway, as the replicas' leases name it (by_origin)
         self.reasons: Counter = Counter()
         self.lookup_s: deque = deque(maxlen=2000)
         self.recent: dict[str, tuple[float, float]] = {}  # node id -> (decayed requests sent, as of when)
@@ -217,20 +222,23 @@ class Affinity:
     def track_queued(self, node_id: str, tokens: int) -> None:
         """Prompt tokens this gateway sent to `node_id` that are not prefilled yet (+ when sent, - at start)."""
         self.queued[node_id] += tokens
-        if tokens < 0:
-            self.started_at[node_id] = time.monotonic()
         if self.queued[node_id] <= 0:
             del self.queued[node_id]
 
-    def queue_of(self, nodes: list[ReplicaInfo], held: dict[str, Holding]) -> dict[str, int]:
-        """Each node's queued prompt tokens: this gateway's own, or its lease's when that cannot be stale."""
-        fresh_after = time.monotonic() - (2 * self.cfg.index_flush_s + 0.1)  # a lease written since
-        out = {}
+    def others(self, lease: dict) -> tuple[int, int]:
+        """The other gateways' sequences and queued prompt tokens on a node, from its lease."""
+        mine = (lease.get("by_origin") or {}).get(self.origin) or (0, 0)
+        return (max(0, int(lease.get("active") or 0) - int(mine[0])),
+                max(0, int(lease.get("queued_tokens") or 0) - int(mine[1])))
+
+    def loads(self, nodes: list[ReplicaInfo], held: dict[str, Holding]) -> tuple[dict[str, int], dict[str, int]]:
+        """Each node's sequences and queued prompt tokens: the other gateways' from its lease, ours exact."""
+        loads, queued = {}, {}
         for r in nodes:
-            lease = held[r.node_id].lease if r.node_id in held else {}
-            trusted = self.started_at.get(r.node_id, float("-inf")) < fresh_after
-            out[r.node_id] = max(self.queued[r.node_id], int(lease.get("queued_tokens") or 0) if trusted else 0)
-        return out
+            active, tokens = self.others(held[r.node_id].lease if r.node_id in held else {})
+            loads[r.node_id] = active + self.inflight[r.node_id]
+            queued[r.node_id] = tokens + self.queued[r.node_id]
+        return loads, queued
 
     async def plan(self, model: str, prompt: list[int]) -> RoutePlan:
         if self.cfg.policy != "affinity":
@@ -245,10 +253,8 @@ class Affinity:
             log.debug("index lookup failed (%s); falling back", type(e).__name__)
             metrics.inc("mlx_fleet_redis_errors", node="", component="index_lookup")
             return self._count(RoutePlan(policy="affinity", reason="fallback"))
-        loads = {r.node_id: max(int((held.get(r.node_id).lease if held.get(r.node_id) else {}).get("active", 0)),
-                                self.inflight[r.node_id]) for r in nodes}
-        plan = choose(options(len(prompt), nodes, held, loads, self.cfg, self.queue_of(nodes, held)),
-                      self.cfg.load_factor,
+        loads, queued = self.loads(nodes, held)
+        plan = choose(options(len(prompt), nodes, held, loads, self.cfg, queued), self.cfg.load_factor,
                       recent=self._recent(nodes), near=(self.cfg.near_ratio, self.cfg.near_s, self.cfg.near_share),
                       prompt_len=len(prompt))
         self._sent(plan.node_id)
@@ -286,7 +292,7 @@ class Affinity:
 
     def _count(self, plan: RoutePlan) -> RoutePlan:
         self.reasons[plan.reason] += 1
-        return plan
+        return dataclasses.replace(plan, origin=self.origin)
 
     def stats(self) -> dict:
         samples = sorted(self.lookup_s)

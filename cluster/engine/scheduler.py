@@ -46,6 +46,7 @@ class Job:
     request_id: str
     seq: Sequence
     emit: Emit
+    origin: str = ""  # the gateway that sent it (its loads are split by gateway: see load())
 
 
 class Scheduler:
@@ -88,11 +89,21 @@ class Scheduler:
         self.batching_off_reason = reason
 
     def load(self) -> dict:
-        """What is on this model thread: sequences by stage, and prompt tokens still to prefill."""
+        """What is on this model thread: sequences by stage, and prompt tokens still to prefill.
+
+        `by_origin` splits sequences and queued tokens by the gateway that sent them: a gateway knows its
+        own requests exactly and at once, so it replaces its share of this (a flush old) with its own
+        counts and keeps only the other gateways' share from here."""
         jobs = list(self._jobs.values())
         decoding = sum(1 for j in jobs if j.seq.prefilled and not j.seq.done)
+        by_origin: dict[str, list[int]] = {}
+        for j in jobs:
+            if j.origin:
+                counts = by_origin.setdefault(j.origin, [0, 0])
+                counts[0] += 1
+                counts[1] += j.seq.pending_prefill
         return {"active": len(jobs), "queued_tokens": sum(j.seq.pending_prefill for j in jobs),
-                "decoding": decoding, "waiting": sum(1 for j in jobs if not j.seq.begun)}
+                "decoding": decoding, "waiting": sum(1 for j in jobs if not j.seq.begun), "by_origin": by_origin}
 
     def stats(self) -> dict:
         """How the replica batches (for status)."""
@@ -101,8 +112,8 @@ class Scheduler:
                 "batched_steps": self.batched_steps,
                 "mean_batch": round(self.batched_rows / self.batched_steps, 2) if self.batched_steps else 0.0}
 
-    def submit(self, request_id: str, seq: Sequence, emit: Emit) -> None:
-        self._inbox.put(("add", request_id, seq, emit))
+    def submit(self, request_id: str, seq: Sequence, emit: Emit, origin: str = "") -> None:
+        self._inbox.put(("add", request_id, (seq, origin), emit))
 
     def run_all(self, seqs: list[Sequence], timeout_s: float | None = None) -> list[list[Event]]:
         """Submit `seqs` at once and wait until every one has ended; each one's events, in order.
@@ -308,9 +319,9 @@ class Scheduler:
                 return
             block = False
             if kind == "add":
-                job = Job(request_id, obj, emit)
+                job = Job(request_id, obj[0], emit, obj[1])
                 self._jobs[request_id] = job
-                self._by_seq[id(obj)] = job
+                self._by_seq[id(job.seq)] = job
                 if self.batching:
                     self._waiting.append(job)
             elif kind == "cancel":

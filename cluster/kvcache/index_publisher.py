@@ -168,4 +168,4 @@ class IndexPublisher:
 
 
 def _load_of(lease: dict) -> tuple:
-    return lease.get("active"), lease.get("queued_tokens")
+    return lease.get("active"), lease.get("queued_tokens"), lease.get("by_origin")

@@ -61,7 +61,7 @@ def test_a_batch_gives_each_request_its_solo_tokens(load_builtin, scheduler, nam
     assert all(gap <= TOLERANCE[dtype] for gap, dtype in gaps), gaps
     stats = scheduler.stats()
     assert stats["batching"] and stats["batched_steps"] > 0 and stats["mean_batch"] > 1
-    assert scheduler.load() == {"active": 0, "queued_tokens": 0, "decoding": 0, "waiting": 0}
+    assert scheduler.load() == {"active": 0, "queued_tokens": 0, "decoding": 0, "waiting": 0, "by_origin": {}}
 
 
 def test_sampled_rows_keep_their_own_seeded_stream(load_builtin, scheduler):
@@ -78,9 +78,12 @@ def test_a_cancelled_row_frees_its_slot_and_the_others_stay_exact(load_builtin, 
     solo = scheduler.run(lambda: [tokens(run_alone(seq(model, tok, p, 40))) for p in PROMPTS[:3]])
     got = Collector()
     for i, p in enumerate(PROMPTS[:3]):
-        scheduler.submit(str(i), seq(model, tok, p, 40), got.emit_for(str(i)))
+        scheduler.submit(str(i), seq(model, tok, p, 40), got.emit_for(str(i)), origin="gw-b" if i == 1 else "gw-a")
     got.wait_tokens("1", 5)
+    by_origin = scheduler.run(lambda: scheduler.load()["by_origin"])  # what the lease tells each gateway
+    assert {o: c[0] for o, c in by_origin.items()} == {"gw-a": 2, "gw-b": 1}
     scheduler.cancel("1")
+    assert "gw-b" not in scheduler.run(lambda: scheduler.load()["by_origin"])
     got.wait(["0", "2"])
     assert [tokens(got.events["0"]), tokens(got.events["2"])] == [solo[0], solo[2]]
     assert not got.ended("1") and len(tokens(got.events["1"])) < 40
