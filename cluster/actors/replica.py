@@ -20,10 +20,11 @@ from pathlib import Path
 
 from cluster import metrics
 from cluster.actors import loopback, node_store
+from cluster.actors.outbox import Outbox
 from cluster.config import AppConfig, ModelSpec
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.constraints import Grammars
-from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished, Started
+from cluster.engine.events import TERMINAL, Accepted, Delta, Event, Failed, Finished, Started
 from cluster.actors.plan import GenerateRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
@@ -124,7 +125,6 @@ class ModelReplica:
     async def generate(self, request: GenerateRequest):
         """Stream lists of events for one request; the first list is [Accepted]."""
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.counters["requests"] += 1
         yield [Accepted(self.node.node_id)]
         prompt = list(request.prompt_tokens)
@@ -143,28 +143,23 @@ class ModelReplica:
             param = getattr(e, "param", None) or ("tool_choice" if request.params.tool_choice else "response_format")
             yield [Failed(str(e), status=400, param=param)]
             return
-        self.scheduler.submit(request.request_id, seq, _emitter(loop, inbox),
+        outbox = Outbox(loop)
+        self.scheduler.submit(request.request_id, seq, outbox.put,
                               request.route.origin if request.route is not None else "")
-        ended = started = False
+        ended = shown = False
         last = 0.0
         self.streams += 1
         try:
             while not ended:
+                # Every item crosses Ray twice (here to the gateway, the gateway to Serve's proxy): once the
+                # client has seen text, send what `interval` gathers as one item, not one per decode step;
+                # the end goes out the moment it comes. Until then nothing is held back: a first token
+                # whose text is still pending (part of a character, a possible stop string) must not make
+                # the first text wait a whole interval.
                 interval = stream_interval(self.spec.stream_interval_s, self.spec.stream_messages_per_s, self.streams)
-                events = await inbox.get()
-                while not inbox.empty():
-                    events.extend(inbox.get_nowait())
+                events = await outbox.take(last + interval if shown else 0.0)
                 ended = any(isinstance(e, TERMINAL) for e in events)
-                # Every item crosses Ray twice (here to the gateway, the gateway to Serve's proxy): after the
-                # first token, send what `interval` gathers as one item, not one per decode step; the end
-                # goes out the moment it comes.
-                while started and not ended and (wait := last + interval - loop.time()) > 0:
-                    try:
-                        events.extend(await asyncio.wait_for(inbox.get(), wait))
-                    except asyncio.TimeoutError:
-                        break
-                    ended = any(isinstance(e, TERMINAL) for e in events)
-                started = started or any(isinstance(e, Started) for e in events)
+                shown = shown or any(isinstance(e, Delta) and (e.text or e.tool_calls) for e in events)
                 self._count(events)  # Started (fetched tokens) comes batches before the end
                 yield events
                 last = loop.time()
@@ -277,15 +272,3 @@ def stream_interval(base_s: float, messages_per_s: float, streams: int) -> float
     if messages_per_s <= 0:
         return base_s
     return max(base_s, streams / messages_per_s)
-
-
-def _emitter(loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue):
-    """Hand events from the model thread to the request's loop; a loop already gone means nobody listens."""
-
-    def emit(events: list[Event]) -> None:
-        try:
-            loop.call_soon_threadsafe(inbox.put_nowait, events)
-        except RuntimeError:  # the loop closed: the request was abandoned
-            pass
-
-    return emit
