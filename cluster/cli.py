@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-concurrency", type=int, default=None,
                     help="sequences a replica prefills at once (default 8)")
     up.add_argument("--stream-interval", type=float, default=None, metavar="SECONDS",
-                    help="after the first token, send each request's tokens at most this often, gathered (default 0.02; 0: every step)")
+                    help="once the first text is out, send each request's tokens at most this often, gathered (default 0.02; 0: every step)")
     up.add_argument("--stream-messages", type=float, default=None, metavar="PER_S",
                     help="most messages per second a replica streams over all its requests; with more streams each "
                          "one's interval grows (default 100; 0: no bound)")

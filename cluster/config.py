@@ -94,7 +94,7 @@ class ModelSpec(_Config):
         None, ge=0, description="Replicas of this model. Default: one per fleet node (nodes with the mlx_fleet resource).",
     )
     stream_interval_s: float = Field(
-        0.02, ge=0.0, le=1.0, description="After a request's first token (always sent at once), its tokens go to the gateway at most this often, gathered: each message costs two Ray hops of CPU. 0: every decode step.",
+        0.02, ge=0.0, le=1.0, description="Once a request's first text is out (nothing is held back before it), its tokens go to the gateway at most this often, gathered: each message costs two Ray hops of CPU. 0: every decode step.",
     )
     stream_messages_per_s: float = Field(
         100.0, ge=0.0, description="Most messages per second one replica streams, over all its requests: with many streams each one's interval grows to streams / this (8 streams at 100: 0.08 s), so the CPU the Ray hops cost stays bounded however many stream at once. 0: no bound (stream_interval_s alone).",

@@ -152,8 +152,9 @@ def test_the_message_budget_stretches_each_streams_interval_with_the_number_of_s
 
 def test_streams_under_a_message_budget_send_few_messages_and_the_same_tokens(app):
     """4 streams with a budget of 0.5 messages/s: each stream's interval is 8 s, longer than the whole
-    answer, so after [Accepted] and the first token everything up to the end is gathered into one message
-    (the end goes out the moment it comes). The tokens are those of an unbounded replica."""
+    answer. Until the client has text, each step goes out at once (a first token whose text is pending must
+    not hold the first text back 8 s); after the first text, everything up to the end is gathered into one
+    message (the end goes out the moment it comes). The tokens are those of an unbounded replica."""
     spec = app.models[0].model_copy(update={"stream_messages_per_s": 0.5})
     replica = ModelReplica(spec, app)
     try:
@@ -166,10 +167,36 @@ def test_streams_under_a_message_budget_send_few_messages_and_the_same_tokens(ap
         streamed = asyncio.run(run())
         for msgs in streamed:
             assert isinstance(msgs[0][0], Accepted) and isinstance(msgs[-1][-1], Finished)
-            assert len(msgs) <= 4, [[type(e).__name__ for e in m] for m in msgs]
+            shown = next(i for i, m in enumerate(msgs) if any(isinstance(e, Delta) and e.text for e in m))
+            before = [e for m in msgs[1:shown] for e in m]
+            assert all(isinstance(e, Started) or not e.text for e in before)  # no text was held back
+            assert len(msgs) - shown - 1 <= 1, [[type(e).__name__ for e in m] for m in msgs]
         assert replica.stats()["streams"] == 0
         alone = [tokens(asyncio.run(collect(replica, request(f"a{i}", p, 12)))) for i, p in enumerate(PROMPTS)]
         assert [tokens([e for m in msgs for e in m]) for msgs in streamed] == alone
+    finally:
+        replica.__del__()
+
+
+def test_a_first_token_whose_text_is_held_back_does_not_hold_back_the_first_text(app):
+    """PROMPTS[0] answers " User User ..."; with the stop string " User x" the first token's text waits in
+    the stop matcher (it may start the stop string), so the message with Started carries no text. The next
+    token releases the first " User" (holding the second), and that goes out at once, not after the stream's
+    2 s interval."""
+    spec = app.models[0].model_copy(update={"stream_messages_per_s": 0.5})
+    replica = ModelReplica(spec, app)
+    try:
+        req = GenerateRequest(request_id="held", prompt_tokens=PROMPTS[0],
+                              params=GenerationParams(max_tokens=12, stop=(" User x",)))
+
+        async def messages():
+            return [events async for events in replica.generate(req)]
+
+        msgs = asyncio.run(messages())
+        texts = [[e.text for e in m if isinstance(e, Delta)] for m in msgs]
+        assert isinstance(msgs[1][0], Started) and texts[1] == [""], texts
+        assert texts[2] == [" User"] and not any(isinstance(e, Finished) for e in msgs[2]), texts
+        assert len(msgs) == 4 and isinstance(msgs[3][-1], Finished)  # then everything else, gathered
     finally:
         replica.__del__()
 
