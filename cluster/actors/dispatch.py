@@ -106,15 +106,19 @@ class Dispatcher:
             plan = (await self.router.plan(served.name, list(request.prompt_tokens)) if self.router is not None
                     else RoutePlan(policy="pow2", reason="fallback"))
             request = dataclasses.replace(request, route=plan)
+        if self.router is not None and request.route.origin != self.router.origin:
+            # Every plan names this gateway, bypass and fallback ones too: the replica's lease counts the
+            # request under it, and this gateway counts it itself (routing.Affinity.loads).
+            request = dataclasses.replace(request, route=dataclasses.replace(request.route, origin=self.router.origin))
         # Counted on the planned node at once, so the next plans (made before this one reaches its
-        # replica) see it; moved to the node that really accepts it. Its uncached prompt tokens count as
-        # that node's queue until its first token (start returns then).
+        # replica) see it; both counts move to the node that really accepts it. Its uncached prompt
+        # tokens count as that node's queue until its first token (start returns then).
         reserved = self._reserve(request.route.node_id)
-        unqueue = self._queue(request.route.node_id, len(request.prompt_tokens) - request.route.tokens)
+        queued = self._queue(request.route.node_id, len(request.prompt_tokens) - request.route.tokens)
         try:
             for attempt in range(ATTEMPTS):
                 try:
-                    return await self._attempt(served, request, reserved)
+                    return await self._attempt(served, request, reserved, queued)
                 except _REPLICA_LOST as e:
                     log.warning("replica lost before %s started (attempt %d): %s", request.request_id, attempt + 1, e)
             raise unavailable(f"no replica of '{served.name}' could take the request; retry shortly",
@@ -123,17 +127,18 @@ class Dispatcher:
             reserved()  # never started: give the reservation back
             raise
         finally:
-            unqueue()
+            queued.release()
 
-    def _queue(self, node_id: Optional[str], tokens: int) -> Callable[[], None]:
-        """Count `tokens` as queued on `node_id` now; returns the (idempotent) release."""
-        return _held(self.router and self.router.track_queued, node_id, tokens)
+    def _queue(self, node_id: Optional[str], tokens: int) -> "_Held":
+        """Count `tokens` as queued on `node_id` now, until released or moved."""
+        return _Held(self.router and self.router.track_queued, node_id, tokens)
 
     def _reserve(self, node_id: Optional[str]) -> Callable[[], None]:
         """Count a request on `node_id` now; returns the (idempotent) release."""
-        return _held(self.router and self.router.track, node_id, 1)
+        return _Held(self.router and self.router.track, node_id, 1).release
 
-    async def _attempt(self, served: ServedModel, request: GenerateRequest, reserved: Callable[[], None]) -> Run:
+    async def _attempt(self, served: ServedModel, request: GenerateRequest, reserved: Callable[[], None],
+                       queued: "_Held") -> Run:
         response = served.handle.options(stream=True).generate.remote(request)
         stream = _flatten(response)
         try:
@@ -149,6 +154,7 @@ class Dispatcher:
         run = Run(node_id=first.node_id, plan=request.route, buffered=[], stream=stream, response=response)
         reserved()
         run.on_close = self._reserve(first.node_id)
+        queued.move(first.node_id)  # a moved request (or a fallback plan's) waits in that node's queue
         try:
             async for event in stream:
                 run.buffered.append(event)
@@ -181,21 +187,26 @@ class Dispatcher:
         raise unavailable(f"replicas of '{served.name}' kept failing; retry shortly", self.config.gateway.retry_after_s)
 
 
-def _held(track: Optional[Callable[[str, int], None]], node_id: Optional[str], amount: int) -> Callable[[], None]:
-    """Add `amount` for `node_id` with `track` now; returns the release that takes it back, once however
-    often it is called (a run's close and an error path may both call it)."""
-    if track is None or node_id is None or amount <= 0:
-        return lambda: None
-    track(node_id, amount)
-    released = False
+class _Held:
+    """`amount` counted for one node with `track`, from now until released, once however often release is
+    called (a run's close and an error path may both call it); it can move to another node."""
 
-    def release():
-        nonlocal released
-        if not released:
-            released = True
-            track(node_id, -amount)
+    def __init__(self, track: Optional[Callable[[str, int], None]], node_id: Optional[str], amount: int):
+        self.track, self.amount, self.node_id = track, amount, None
+        self.move(node_id)
 
-    return release
+    def move(self, node_id: Optional[str]) -> None:
+        if node_id == self.node_id:
+            return
+        self.release()
+        if self.track is not None and node_id is not None and self.amount > 0:
+            self.track(node_id, self.amount)
+            self.node_id = node_id
+
+    def release(self) -> None:
+        if self.node_id is not None:
+            self.track(self.node_id, -self.amount)
+            self.node_id = None
 
 
 async def _gather(run: Run) -> tuple[Delta, Finished]:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from cluster import metrics
 from cluster.actors import loopback, node_store
-from cluster.actors.outbox import Outbox
+from cluster.actors.outbox import Outbox, visible
 from cluster.config import AppConfig, ModelSpec
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.constraints import Grammars
-from cluster.engine.events import TERMINAL, Accepted, Delta, Event, Failed, Finished, Started
+from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished, Started
 from cluster.actors.plan import GenerateRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
@@ -151,15 +151,14 @@ class ModelReplica:
         self.streams += 1
         try:
             while not ended:
-                # Every item crosses Ray twice (here to the gateway, the gateway to Serve's proxy): once the
-                # client has seen text, send what `interval` gathers as one item, not one per decode step;
-                # the end goes out the moment it comes. Until then nothing is held back: a first token
-                # whose text is still pending (part of a character, a possible stop string) must not make
-                # the first text wait a whole interval.
+                # Every item crosses Ray twice (here to the gateway, the gateway to Serve's proxy): send what
+                # `interval` gathers as one item, not one per decode step; the end goes out the moment it
+                # comes, and so does the first text: a first token whose text is still pending (part of a
+                # character, a possible stop string, an undecided tool call) must not hold it back.
                 interval = stream_interval(self.spec.stream_interval_s, self.spec.stream_messages_per_s, self.streams)
-                events = await outbox.take(last + interval if shown else 0.0)
+                events = await outbox.take(last + interval, until_text=not shown)
                 ended = any(isinstance(e, TERMINAL) for e in events)
-                shown = shown or any(isinstance(e, Delta) and (e.text or e.tool_calls) for e in events)
+                shown = shown or visible(events)
                 self._count(events)  # Started (fetched tokens) comes batches before the end
                 yield events
                 last = loop.time()

@@ -226,10 +226,18 @@ class Affinity:
             del self.queued[node_id]
 
     def others(self, lease: dict) -> tuple[int, int]:
-        """The other gateways' sequences and queued prompt tokens on a node, from its lease."""
-        mine = (lease.get("by_origin") or {}).get(self.origin) or (0, 0)
-        return (max(0, int(lease.get("active") or 0) - int(mine[0])),
-                max(0, int(lease.get("queued_tokens") or 0) - int(mine[1])))
+        """The other gateways' sequences and queued prompt tokens on a node, from its lease (a lease
+        without a usable split, from an older replica say, counts as all the other gateways')."""
+        try:
+            active, tokens = int(lease.get("active") or 0), int(lease.get("queued_tokens") or 0)
+        except (TypeError, ValueError):
+            return 0, 0
+        try:
+            mine = lease["by_origin"][self.origin]
+            mine_active, mine_tokens = int(mine[0]), int(mine[1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            mine_active = mine_tokens = 0
+        return max(0, active - mine_active), max(0, tokens - mine_tokens)
 
     def loads(self, nodes: list[ReplicaInfo], held: dict[str, Holding]) -> tuple[dict[str, int], dict[str, int]]:
         """Each node's sequences and queued prompt tokens: the other gateways' from its lease, ours exact."""

@@ -184,8 +184,8 @@ def run_engine(a, model, tok) -> dict:
             ways["sequential"].append(engine_round(model, tok, prompts, a.max_tokens, batching=False))
             ways["batched"].append(engine_round(model, tok, prompts, a.max_tokens, batching=True))
             ways["reference"].append(mlx_lm_round(model, tok, prompts, a.max_tokens))
-        ours = ways["batched"][0]["tokens"]
-        same = all(r.pop("tokens") == ours for way in ways.values() for r in way)
+        got = [r.pop("tokens") for way in ways.values() for r in way]
+        same = all(t == got[0] for t in got)
         seq_r, bat_r, ref_r = (median_round(ways[w]) for w in ("sequential", "batched", "reference"))
         rows[c] = {"sequential": seq_r, "batched": bat_r, "mlx_lm_batch_generate": ref_r, "identical_tokens": same,
                    "vs_mlx_lm": round(bat_r["tokens_per_s"] / ref_r["tokens_per_s"], 2),

@@ -175,6 +175,9 @@ def test_a_gateway_counts_its_own_requests_exactly_and_the_other_gateways_from_t
     assert a.loads(nodes, held) == ({"n0": 7 + 5, "n1": 0}, {"n0": 500 + 100, "n1": 0})
     assert b.loads(nodes, held) == ({"n0": 2, "n1": 3}, {"n0": 400, "n1": 300})
     assert a.origin != b.origin
+    odd = {"n0": holding(0, active=4, queued_tokens=50, by_origin={a.origin: "?"}),
+           "n1": holding(1, active="x", by_origin=[1])}
+    assert b.loads(nodes, odd) == ({"n0": 4, "n1": 0}, {"n0": 50, "n1": 0})  # a split it cannot read: all others'
 
 
 def test_two_gateways_spread_a_burst_on_a_hot_prompt_with_leases_a_flush_behind():
