@@ -111,10 +111,12 @@ class Dispatcher:
             # request under it, and this gateway counts it itself (routing.Affinity.loads).
             request = dataclasses.replace(request, route=dataclasses.replace(request.route, origin=self.router.origin))
         # Counted on the planned node at once, so the next plans (made before this one reaches its
-        # replica) see it; both counts move to the node that really accepts it. Its uncached prompt
-        # tokens count as that node's queue until its first token (start returns then).
-        reserved = self._reserve(request.route.node_id)
-        queued = self._queue(request.route.node_id, len(request.prompt_tokens) - request.route.tokens)
+        # replica) see it; both counts move to the node that really accepts it. The request counts until
+        # its run closes; its uncached prompt tokens count as that node's queue until its first token
+        # (start returns then).
+        reserved = _Held(self.router and self.router.track, request.route.node_id, 1)
+        queued = _Held(self.router and self.router.track_queued, request.route.node_id,
+                        len(request.prompt_tokens) - request.route.tokens)
         try:
             for attempt in range(ATTEMPTS):
                 try:
@@ -124,21 +126,12 @@ class Dispatcher:
             raise unavailable(f"no replica of '{served.name}' could take the request; retry shortly",
                               self.config.gateway.retry_after_s)
         except BaseException:
-            reserved()  # never started: give the reservation back
+            reserved.release()  # never started: give the reservation back
             raise
         finally:
             queued.release()
 
-    def _queue(self, node_id: Optional[str], tokens: int) -> "_Held":
-        """Count `tokens` as queued on `node_id` now, until released or moved."""
-        return _Held(self.router and self.router.track_queued, node_id, tokens)
-
-    def _reserve(self, node_id: Optional[str]) -> Callable[[], None]:
-        """Count a request on `node_id` now; returns the (idempotent) release."""
-        return _Held(self.router and self.router.track, node_id, 1).release
-
-    async def _attempt(self, served: ServedModel, request: GenerateRequest, reserved: Callable[[], None],
-                       queued: "_Held") -> Run:
+    async def _attempt(self, served: ServedModel, request: GenerateRequest, reserved: "_Held", queued: "_Held") -> Run:
         response = served.handle.options(stream=True).generate.remote(request)
         stream = _flatten(response)
         try:
@@ -152,9 +145,9 @@ class Dispatcher:
             raise
         assert isinstance(first, Accepted), first
         run = Run(node_id=first.node_id, plan=request.route, buffered=[], stream=stream, response=response)
-        reserved()
-        run.on_close = self._reserve(first.node_id)
-        queued.move(first.node_id)  # a moved request (or a fallback plan's) waits in that node's queue
+        reserved.move(first.node_id)  # a moved request (or a fallback plan's) runs and waits there
+        queued.move(first.node_id)
+        run.on_close = reserved.release
         try:
             async for event in stream:
                 run.buffered.append(event)

@@ -54,7 +54,6 @@ two choices), `policy` (pow2 / round_robin configured).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import random
@@ -300,7 +299,7 @@ class Affinity:
 
     def _count(self, plan: RoutePlan) -> RoutePlan:
         self.reasons[plan.reason] += 1
-        return dataclasses.replace(plan, origin=self.origin)
+        return plan
 
     def stats(self) -> dict:
         samples = sorted(self.lookup_s)

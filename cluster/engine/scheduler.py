@@ -113,7 +113,7 @@ class Scheduler:
                 "mean_batch": round(self.batched_rows / self.batched_steps, 2) if self.batched_steps else 0.0}
 
     def submit(self, request_id: str, seq: Sequence, emit: Emit, origin: str = "") -> None:
-        self._inbox.put(("add", request_id, (seq, origin), emit))
+        self._inbox.put(("add", request_id, Job(request_id, seq, emit, origin), None))
 
     def run_all(self, seqs: list[Sequence], timeout_s: float | None = None) -> list[list[Event]]:
         """Submit `seqs` at once and wait until every one has ended; each one's events, in order.
@@ -319,7 +319,7 @@ class Scheduler:
                 return
             block = False
             if kind == "add":
-                job = Job(request_id, obj[0], emit, obj[1])
+                job = obj
                 self._jobs[request_id] = job
                 self._by_seq[id(job.seq)] = job
                 if self.batching:
