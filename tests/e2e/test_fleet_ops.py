@@ -74,9 +74,12 @@ def test_a_second_up_on_the_same_data_dir_fails_at_once(ops):
 def test_nodes_sharing_a_host_name_keep_their_own_identity(ops, headers):
     fleet, _ = ops
     with httpx.Client(base_url=fleet.url, timeout=60, headers=headers) as http:
-        prompt = " ".join(["Every Mac here is called studio."] * 30)
         served = set()
-        for _ in range(30):
+        for i in range(30):
+            # A new prompt each time: nobody holds it, so it goes to the node used least lately, and the two
+            # nodes take turns. (The same prompt again goes to its holder; it reached the other node only when
+            # a lease a flush old made the holder look busy.)
+            prompt = f"Mac number {i}: " + " ".join(["Every Mac here is called studio."] * 30)
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
             assert r.status_code == 200
             served.add(r.headers["x-fleet-node"])
