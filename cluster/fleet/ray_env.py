@@ -17,6 +17,15 @@ setting: Serve's per-replica gRPC server (actors/loopback.py keeps it local).
 Token auth: every fleet runs Ray with RAY_AUTH_MODE=token and its own token,
 made fresh by each `up` in <data_dir>/ray-token (mode 0600).
 
+Serve's data plane: Ray's throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED,
+`SERVE_ENV`): the proxy, the gateways and the replicas talk over direct gRPC,
+and each deployment's code runs on its replica's own event loop, not on a
+second loop one thread hop away. Every streamed message crosses two Serve hops
+(replica to gateway, gateway to the HTTP proxy), so what a hop costs is what a
+stream costs (docs/batching.md). The mode's direct ingress (each ingress
+replica its own HTTP port, no proxy) stays off: a node keeps one front door,
+Serve's proxy, with its OpenAI-format errors.
+
 Nothing sent out: usage stats are off, the "usage disabled" notice goes to a
 loopback discard address, and the dashboard's cloud-metadata probe (HTTP to
 169.254.169.254 when no cluster config is found) is skipped by giving the head
@@ -35,6 +44,10 @@ from cluster.fleet.processes import TAG_ENV
 from cluster.fleet.state import FleetState
 
 TOKEN_FILE = "ray-token"
+# Ray's documented high-throughput Serve, minus direct ingress (above). deploy/bootstrap/fleet-env.sh
+# exports the same for a fleet of Macs.
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+             "RAY_SERVE_PROXY_USE_GRPC": "1"}  # the mode leaves the proxy's hop on Ray actor calls
 CLUSTER_FLAG = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
@@ -63,7 +76,8 @@ def base_env(state: FleetState) -> dict[str, str]:
     env.update(auth_env(state.data_dir))
     env.update({TAG_ENV: state.tag, "PYTHONUNBUFFERED": "1", LOOPBACK_ENV: "1",
                 "TMPDIR": str(Path(state.ray_temp_dir) / "tmp"),
-                proxy_errors.ENV: proxy_errors.IMPORT_PATH})  # Serve's proxy answers OpenAI errors too
+                proxy_errors.ENV: proxy_errors.IMPORT_PATH,  # Serve's proxy answers OpenAI errors too
+                **SERVE_ENV})
     Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
     return env
 

@@ -40,3 +40,15 @@ def test_fleet_env_opts_macs_into_multi_node_ray():
     env = (DEPLOY / "bootstrap" / "fleet-env.sh").read_text()
     for needed in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1", "RAY_AUTH_MODE=token", "MLX_FLEET_NODE_NAME"):
         assert needed in env
+
+
+def test_fleet_env_runs_serve_as_a_local_fleet_does():
+    """A fleet of Macs and `mlx-fleet up` run the same Serve data plane (direct gRPC, no direct ingress)."""
+    from cluster.fleet.ray_env import SERVE_ENV
+
+    exports = dict(line.removeprefix("export ").split("=", 1)
+                   for line in (DEPLOY / "bootstrap" / "fleet-env.sh").read_text().splitlines()
+                   if line.startswith("export RAY_SERVE_"))
+    assert {k: v for k, v in exports.items() if k in SERVE_ENV} == SERVE_ENV
+    assert SERVE_ENV == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                         "RAY_SERVE_PROXY_USE_GRPC": "1"}

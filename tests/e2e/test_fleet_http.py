@@ -477,6 +477,17 @@ def test_every_socket_of_the_fleet_listens_on_loopback(fleet):
     assert bad == []
 
 
+def test_serve_runs_its_direct_grpc_data_plane_in_every_serve_process(fleet):
+    """The proxy, the gateways and the replicas start with Ray's throughput-optimized Serve (fleet/ray_env.py)."""
+    from cluster.fleet.ray_env import SERVE_ENV
+
+    serve = [p for p in fleet.processes() if any(k in p.name() for k in ("ServeReplica", "ProxyActor"))]
+    assert len(serve) >= 5  # the proxy, two gateways, a replica per model
+    for p in serve:
+        env = p.environ()
+        assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, p.name()
+
+
 def test_no_credential_is_shown_anywhere(fleet, http):
     secret = (fleet.data_dir / "redis" / "password").read_text().strip()
     token = (fleet.data_dir / "ray-token").read_text().strip()
