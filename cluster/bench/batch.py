@@ -17,8 +17,9 @@ prompts of --prompt-tokens random tokens arrive at once, each generates
    and whether every request's tokens are identical in every round of all three.
 2. HTTP: a one-node fleet (`mlx-fleet up`) against `mlx_lm.server` on the same
    model directory, the same prompts as text through /v1/completions, streamed.
-   Reported per c: the median of --rounds rounds (5) of aggregate tokens/s, with
-   its TTFT p50, every round's tokens/s, and whether the texts agree
+   Every round sends c new prompts (the same to both), so neither server's prompt
+   cache answers. Reported per c: the median of --rounds rounds (5) of aggregate
+   tokens/s, with its TTFT p50, every round's tokens/s, and whether the texts agree
    (mlx_lm.server drops a completion's leading space, ours keeps it: that one
    space aside).
 
@@ -40,6 +41,9 @@ import time
 from pathlib import Path
 
 from cluster.bench.common import load, parser, write_json
+
+
+WARM_UP = "Warm-up."
 
 
 def prompts_for(seed: int, n: int, tokens: int) -> list[list[int]]:
@@ -81,12 +85,12 @@ def median_round(rounds: list[dict]) -> dict:
     return {**best, "rounds_tokens_per_s": [r["tokens_per_s"] for r in rounds]}
 
 
-async def http_rounds(url: str, model: str, prompts: list[str], max_tokens: int, rounds: int) -> dict:
-    """`rounds` rounds (one round of c requests takes about a second here, and a shared 2-core VM swings
-    2x between seconds): the median round by tokens/s, every round's tokens/s, and whether every round
-    gave the same texts."""
-    runs = [await http_round(url, model, prompts, max_tokens) for _ in range(rounds)]
-    return {**median_round(runs), "same_texts_every_round": all(r["texts"] == runs[0]["texts"] for r in runs)}
+async def http_rounds(url: str, model: str, rounds: list[list[str]], max_tokens: int) -> dict:
+    """One round per prompt list (one round of c requests takes about a second here, and a shared 2-core VM
+    swings 2x between seconds): the median round by tokens/s, every round's tokens/s, and every round's
+    texts."""
+    runs = [await http_round(url, model, prompts, max_tokens) for prompts in rounds]
+    return {**median_round(runs), "texts": [r.pop("texts") for r in runs]}
 
 
 async def http_round(url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
@@ -114,7 +118,7 @@ async def http_round(url: str, model: str, prompts: list[str], max_tokens: int) 
         return (first or time.perf_counter()) - t0, usage, "".join(text)
 
     async with httpx.AsyncClient(timeout=600) as client:
-        await one(client, prompts[0][:40])  # warm-up
+        await one(client, WARM_UP)  # the connection, and nothing the round's prompts could reuse
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - t0
@@ -204,31 +208,42 @@ def run_http(a, tok, path: Path) -> dict:
     from cluster.fleet.spawned import SpawnedFleet
 
     rows = {}
-    texts = {c: [tok.decode(p) for p in prompts_for(2000 + c, c, a.prompt_tokens)] for c in a.concurrency}
+    texts = {c: http_prompts(tok, c, a.rounds, a.prompt_tokens) for c in a.concurrency}
     results: dict[str, dict] = {"mlx_lm.server": {}, "mlx-fleet": {}}
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as work:
         with MlxLmServer(path, Path(work)) as server:
             for c in a.concurrency:
-                results["mlx_lm.server"][c] = asyncio.run(
-                    http_rounds(server.url, str(path), texts[c], a.max_tokens, a.rounds))
+                results["mlx_lm.server"][c] = asyncio.run(http_rounds(server.url, str(path), texts[c], a.max_tokens))
         extra = (("--stream-interval", str(a.stream_interval)) if a.stream_interval is not None else ()) + \
             (("--stream-messages", str(a.stream_messages)) if a.stream_messages is not None else ())
         with SpawnedFleet(Path(work) / "fleet", 1, (a.model,), extra=extra) as fleet:
             for c in a.concurrency:
-                results["mlx-fleet"][c] = asyncio.run(http_rounds(fleet.url, a.model, texts[c], a.max_tokens, a.rounds))
+                results["mlx-fleet"][c] = asyncio.run(http_rounds(fleet.url, a.model, texts[c], a.max_tokens))
     for c in a.concurrency:
         ref, ours = results["mlx_lm.server"][c], results["mlx-fleet"][c]
-        # mlx_lm.server drops a completion's leading space (as a chat reply would); ours keeps it, so
-        # that prompt + completion is the decoded tokens. Past that, the texts must be equal.
-        same = ([t.removeprefix(" ") for t in ref.pop("texts")] == [t.removeprefix(" ") for t in ours.pop("texts")]
-                and ref["same_texts_every_round"] and ours["same_texts_every_round"])
-        rows[c] = {"mlx_lm.server": ref, "mlx-fleet": ours, "identical_text": same,
+        rows[c] = {"mlx_lm.server": ref, "mlx-fleet": ours, "identical_text": same_texts(ref.pop("texts"), ours.pop("texts")),
                    "ratio": round(ours["tokens_per_s"] / ref["tokens_per_s"], 2)}
         print(f"http c={c}: mlx_lm.server {ref['tokens_per_s']} tok/s (TTFT p50 {ref['ttft_p50_s']} s; rounds "
               f"{ref['rounds_tokens_per_s']}), mlx-fleet {ours['tokens_per_s']} tok/s (TTFT p50 {ours['ttft_p50_s']} s; "
               f"rounds {ours['rounds_tokens_per_s']}): {rows[c]['ratio']}x; "
-              f"identical text: {same}")
+              f"identical text: {rows[c]['identical_text']}")
     return rows
+
+
+def http_prompts(tok, c: int, rounds: int, tokens: int) -> list[list[str]]:
+    """Fresh prompts every round, the same for both servers. mlx_lm.server keeps each finished request's KV
+    in its prompt cache and would restore a repeated prompt whole from round 2 on, while the fleet caches
+    whole blocks only (64 tokens), so none of a 32-token prompt: repeating them compared its cache with our
+    prefill, not batching with batching."""
+    return [[tok.decode(p) for p in prompts_for(2000 + 100 * r + c, c, tokens)] for r in range(rounds)]
+
+
+def same_texts(theirs: list[list[str]], ours: list[list[str]]) -> bool:
+    """Every round's texts equal. mlx_lm.server drops a completion's leading space (as a chat reply would);
+    ours keeps it, so that prompt + completion is the decoded tokens. Past that, the texts must be equal."""
+    def strip(rounds):
+        return [[t.removeprefix(" ") for t in texts] for texts in rounds]
+    return strip(theirs) == strip(ours)
 
 
 def main(argv: list[str]) -> int:

@@ -333,24 +333,33 @@ def timed(fn) -> float:
 
 def test_a_huge_prompt_is_refused_cheaply_and_never_stalls_other_requests(fleet, http):
     small = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
-    idle = statistics.median(timed(lambda: http.post("/v1/chat/completions", json=small)) for _ in range(7))
     huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * (3 << 20)}]}).encode()
-    refusals = []
 
-    def send_huge():  # several in a row, so the small requests below overlap them many times
-        for _ in range(4):
-            refusals.append(httpx.post(f"{fleet.url}/v1/chat/completions", content=huge, timeout=60,
-                                       headers={"content-type": "application/json"}))
+    def trial() -> tuple[float, list[float], list[httpx.Response]]:
+        idle = statistics.median(timed(lambda: http.post("/v1/chat/completions", json=small)) for _ in range(7))
+        refusals = []
 
-    worker = threading.Thread(target=send_huge)
-    worker.start()
-    busy = [timed(lambda: http.post("/v1/chat/completions", json=small))]
-    while worker.is_alive():
-        busy.append(timed(lambda: http.post("/v1/chat/completions", json=small)))
-    worker.join()
-    assert [error_of(r, 400)["code"] for r in refusals] == ["context_length_exceeded"] * 4
+        def send_huge():  # several in a row, so the small requests below overlap them many times
+            for _ in range(4):
+                refusals.append(httpx.post(f"{fleet.url}/v1/chat/completions", content=huge, timeout=60,
+                                           headers={"content-type": "application/json"}))
+
+        worker = threading.Thread(target=send_huge)
+        worker.start()
+        busy = [timed(lambda: http.post("/v1/chat/completions", json=small))]
+        while worker.is_alive():
+            busy.append(timed(lambda: http.post("/v1/chat/completions", json=small)))
+        worker.join()
+        return idle, busy, refusals
+
     # Typical latency within 2x of idle (15 MB still costs the 2 cores here some CPU to receive and parse),
-    # and no request ever waits behind the huge one's tokenization (that took 7.3 s before it moved off the loop).
+    # and no request ever waits behind the huge one's tokenization (that took 7.3 s before it moved off the
+    # loop). Up to three trials: a stall fails every one, a slow second of this shared VM only one.
+    for _ in range(3):
+        idle, busy, refusals = trial()
+        assert [error_of(r, 400)["code"] for r in refusals] == ["context_length_exceeded"] * 4
+        if statistics.median(busy) <= 2 * idle + 0.05 and max(busy) < 1.0:
+            break
     assert statistics.median(busy) <= 2 * idle + 0.05, (idle, busy)
     assert max(busy) < 1.0, (idle, busy)
 
