@@ -90,7 +90,8 @@ async def http_rounds(url: str, model: str, rounds: list[list[str]], max_tokens:
     swings 2x between seconds): the median round by tokens/s, every round's tokens/s, and every round's
     texts."""
     runs = [await http_round(url, model, prompts, max_tokens) for prompts in rounds]
-    return {**median_round(runs), "texts": [r.pop("texts") for r in runs]}
+    texts = [r.pop("texts") for r in runs]
+    return {**median_round(runs), "texts": texts}
 
 
 async def http_round(url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
