@@ -60,9 +60,9 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 404:
-        return APIError(404, str(exc.detail), type="not_found", code="not_found").response()
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:  # OpenAI's own answer to a path it does not serve
+        return APIError(404, f"Invalid URL ({request.method} {request.url.path})").response()
     if exc.status_code == 405:
         return APIError(405, str(exc.detail), code="method_not_allowed").response()
     if exc.status_code == 400:  # FastAPI could not read the body (e.g. not UTF-8)

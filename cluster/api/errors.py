@@ -76,6 +76,9 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, f"Request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    if not loc and first.get("type") == "missing":  # no body at all: name the field every endpoint needs first
+        return bad_request("The request body is empty: missing required parameter: 'model'.", "model",
+                           code="missing_required_parameter")
     if not loc:
         return bad_request(f"The request body must be a JSON object with the API's fields: {first.get('msg', '')}")
     if first.get("type") == "missing":

@@ -16,9 +16,12 @@ def render(status: dict) -> str:
     for r in status["replicas"]:
         prompt = r.get("prompt_tokens", 0)
         reuse = f"{r.get('cached_tokens', 0) / prompt:.0%}" if prompt else "-"
+        # The counters are the replica process's own: a restarted replica starts them again (the disk and the
+        # fleet's route counters keep theirs), so say since when they count.
         lines.append(f"  {r['model']:<20} on {r['node_id']:<22} active={r.get('active', 0):<3} "
                      f"requests={r.get('requests', 0):<6} prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
-                     f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)}")
+                     f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)} "
+                     f"(since it started {_age(r)} ago)")
         lines.append("      " + _batch_line(r))
         lines.append("      " + _cache_line(r.get("cache", {})))
     fleet = status.get("fleet") or {}
@@ -39,6 +42,19 @@ def render(status: dict) -> str:
     return "\n".join(lines)
 
 
+def _age(replica: dict) -> str:
+    """How long the replica process had run when it last renewed its lease: 42s, 3m05s, 2h07m."""
+    started, renewed = replica.get("started"), replica.get("renewed")
+    if not started or not renewed:
+        return "-"
+    s = max(0, int(renewed - started))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def _redis_line(redis: dict) -> str:
     state = "reachable" if redis.get("reachable") else f"UNREACHABLE ({redis.get('error') or '-'})"
     restarts = f", restarted {redis['restarts']} time(s) by the supervisor" if redis.get("supervised") else ""
@@ -48,7 +64,7 @@ def _redis_line(redis: dict) -> str:
 def _batch_line(r: dict) -> str:
     b = r.get("batching") or {}
     stages = (f"decoding {r.get('decoding', 0)}, waiting {r.get('waiting', 0)}, "
-              f"{r.get('queued_tokens', 0)} prompt tokens to prefill, {r.get('streams', 0)} streaming")
+              f"{r.get('queued_tokens', 0)} prompt tokens to prefill, {r.get('streams', 0)} in flight")
     if not b.get("batching"):
         return f"batching: off ({b.get('reason') or '-'}); {stages}"
     return (f"batching: up to {b['decode_concurrency']} decoding, {b['prefill_concurrency']} prefilling, "

@@ -97,6 +97,12 @@ def test_body_not_an_object():
     assert err.status == 400 and err.param is None and "JSON object" in err.message
 
 
+def test_an_empty_body_names_the_model_as_missing():
+    err = from_validation_errors([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    assert (err.status, err.param, err.code) == (400, "model", "missing_required_parameter")
+    assert err.message == "The request body is empty: missing required parameter: 'model'."
+
+
 def test_json_invalid():
     err = from_validation_errors([{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error"}])
     assert (err.status, err.code) == (400, "invalid_json")

@@ -167,6 +167,12 @@ def test_malformed_json_is_400(http):
     assert error_of(r, 400)["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_an_empty_body_is_400_naming_the_model(http, path):
+    err = error_of(http.post(path, content=b"", headers={"content-type": "application/json"}), 400)
+    assert (err["param"], err["code"]) == ("model", "missing_required_parameter")
+
+
 def test_unknown_model_is_404(http, client):
     err = error_of(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": HELLO}), 404)
     assert (err["code"], err["param"]) == ("model_not_found", "model")
@@ -189,7 +195,9 @@ def test_out_of_vocabulary_token_is_400(http):
 
 
 def test_unknown_route_is_openai_404(http):
-    error_of(http.get("/v1/nothing-here"), 404)
+    err = error_of(http.get("/v1/nothing-here"), 404)
+    assert err == {"message": "Invalid URL (GET /v1/nothing-here)", "type": "invalid_request_error", "param": None,
+                   "code": None}
 
 
 def test_status_lists_nodes_replicas_and_models(fleet, http):

@@ -1,0 +1,34 @@
+"""`mlx-fleet status` as text: what each replica line says its numbers count."""
+
+from cluster.fleet.status_text import render
+
+
+def replica(**over) -> dict:
+    r = {"model": "tiny-dense", "node_id": "node-0-1a2b3c4d", "active": 1, "requests": 7, "prompt_tokens": 400,
+         "cached_tokens": 100, "completion_tokens": 56, "started": 1000.0, "renewed": 1185.0, "decoding": 2,
+         "waiting": 1, "queued_tokens": 33, "streams": 3,
+         "batching": {"batching": True, "decode_concurrency": 32, "prefill_concurrency": 8, "mean_batch": 1.5,
+                      "batched_steps": 20},
+         "cache": {"enabled": False, "reason": "off in config"}}
+    return r | over
+
+
+def status(*replicas: dict) -> dict:
+    return {"endpoint": "http://127.0.0.1:8000", "redis": {"url": "redis://127.0.0.1:6390", "reachable": True},
+            "nodes": [], "replicas": list(replicas), "models": []}
+
+
+def test_a_replica_line_says_since_when_its_counters_count():
+    lines = render(status(replica())).splitlines()
+    i = lines.index("replicas:")
+    assert lines[i + 1] == ("  tiny-dense           on node-0-1a2b3c4d        active=1   requests=7      prompt=400      "
+                            "cached=100      reuse=25%   completion=56 (since it started 3m05s ago)")
+    assert lines[i + 2] == ("      batching: up to 32 decoding, 8 prefilling, mean batch 1.5 over 20 steps; decoding 2, "
+                            "waiting 1, 33 prompt tokens to prefill, 3 in flight")
+
+
+def test_replica_ages_read_in_seconds_minutes_or_hours():
+    lines = [render(status(replica(renewed=1000.0 + s))).splitlines() for s in (42, 3600 * 2 + 420)]
+    ages = [ls[ls.index("replicas:") + 1].rsplit("(", 1)[1] for ls in lines]
+    assert ages == ["since it started 42s ago)", "since it started 2h07m ago)"]
+    assert "(since it started - ago)" in render(status(replica(started=None)))
