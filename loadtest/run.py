@@ -55,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
                    help="policies to run back to back, the first is the reference (default affinity)")
     p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                    help="which workloads' users run (default all)")
-    p.add_argument("--users", type=int, default=4, help="concurrent users (default 4)")
+    p.add_argument("--users", type=int, default=4,
+                   help="concurrent users (default 4); locust gives each workload whole users, so with fewer users "
+                        "than workloads some do not run")
     p.add_argument("--spawn-rate", type=float, default=2, help="users started per second (default 2)")
     p.add_argument("--duration", default="", help="run time per policy, e.g. 60s or 5m (default 60s)")
     p.add_argument("--requests", type=int, default=0, help="stop each run after this many requests instead")
@@ -149,6 +151,17 @@ def run_policy(a: argparse.Namespace, policy: Optional[str]) -> tuple[str, list[
     return label, records, status
 
 
+def log_errors(path: Path, most: int = 3) -> str:
+    """The last distinct error lines of a run's locust log: why nothing came back (a refused connection, a
+    bad key), else its last lines."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    errors = list(dict.fromkeys(line for line in lines if "ERROR" in line and line.rstrip()[-1:] != ":"))
+    return "\n".join(errors[-most:] or lines[-most:])
+
+
 def report(summary: dict) -> str:
     lines = [f"{'run':<12} {'reqs':>5} {'fail':>4} {'5xx':>4} {'wrong':>5} {'reuse':>6} {'TTFT p50':>9} "
              f"{'p90':>7} {'full p50':>9} {'cold p50':>9} {'req/s':>6}"]
@@ -176,12 +189,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_target(a.attach, a.allow_remote)
         except ValueError as e:
             raise SystemExit(str(e))
+    import importlib.util
+
+    if importlib.util.find_spec("locust") is None:
+        raise SystemExit("locust is not installed in this environment: run `make deps` "
+                         "(or pip install 'mlx-fleet[load]')")
+    if a.users < len(a.workload):
+        print(f"note: {a.users} users for {len(a.workload)} workloads: locust runs whole users, so "
+              f"{len(a.workload) - a.users} workload(s) get none; pass --users {len(a.workload)} or fewer --workload",
+              file=sys.stderr)
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     runs: dict[str, list[dict]] = {}
     summary: dict = {"started": t0, "args": {k: str(v) for k, v in vars(a).items() if k != "api_key"}, "runs": {}}
     for policy in ([None] if a.attach else a.routing):
         label, records, status = run_policy(a, policy)
+        if not records:  # nothing to summarize is a failed run, not an empty success
+            raise SystemExit(f"[{label}] no request completed; from {a.out / label / 'locust.log'}:\n"
+                             + log_errors(a.out / label / "locust.log"))
         runs[label] = records
         summary["runs"][label] = summarize(records)
         if status is not None:
@@ -192,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary["plots"] = [p.name for p in write_plots(runs, a.out)]
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(report(summary))
-    print(f"wrote {a.out}/summary.json, {', '.join(summary['plots'])}, and per run: locust_*.csv, report.html")
+    print(f"wrote {', '.join([f'{a.out}/summary.json', *summary['plots']])}, and per run: locust_*.csv, report.html")
     bad = {n: (s["status_5xx"], s["wrong_answers"]) for n, s in summary["runs"].items()
            if s["status_5xx"] or s["wrong_answers"]}
     if bad:

@@ -134,6 +134,15 @@ def test_the_runner_compares_policies_on_fresh_fleets_and_stops_them(tmp_path):
         assert LocalFleet(out / f"fleet-{label}").processes() == []
 
 
+def test_the_runner_fails_when_no_request_completed(tmp_path):
+    from cluster.fleet.ports import free_port
+
+    out = tmp_path / "run"
+    r = loadtest("--attach", f"http://127.0.0.1:{free_port()}", "--users", "1", "--duration", "3s", "--out", str(out))
+    assert r.returncode == 1 and "[attached] no request completed" in r.stderr, r.stdout + r.stderr[-3000:]
+    assert not (out / "summary.json").exists()
+
+
 @pytest.mark.parametrize("url,ok", [("http://127.0.0.1:8000", True), ("http://localhost:1", True),
                                     ("http://[::1]:8000", True), ("http://10.1.2.3:8000", False),
                                     ("not a url", False)])
