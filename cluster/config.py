@@ -117,6 +117,14 @@ class ModelSpec(_Config):
             raise ValueError(f"model name {v!r} must be 1-128 characters of letters, digits and ._:/- ; pass NAME=SOURCE to choose one")
         return v
 
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("the model source is empty: give a built-in model (tiny-dense), a model directory or a "
+                             "Hugging Face repo id, as SOURCE or NAME=SOURCE")
+        return v
+
     @property
     def deployment(self) -> str:
         """Its Serve deployment's name."""

@@ -21,6 +21,11 @@ def test_block_tokens_bounds():
     assert CacheConfig(block_tokens=256).block_tokens == 256
 
 
+def test_an_empty_model_source_is_named():
+    with pytest.raises(ValidationError, match="source is empty"):
+        ModelSpec.parse("foo=")
+
+
 def test_model_spec_parse():
     assert ModelSpec.parse("tiny-swa") == ModelSpec(name="tiny-swa", source="tiny-swa")
     assert ModelSpec.parse("qwen=mlx-community/Qwen3-4B-4bit").name == "qwen"

@@ -9,6 +9,7 @@ what it started, so a failed `up` leaves no process behind.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -21,7 +22,7 @@ from typing import Callable, Iterator
 
 from cluster.config import AppConfig, FleetConfig
 from cluster.fleet import lock, processes, ray_env, ray_nodes, redis_server, supervisor
-from cluster.fleet.ports import port_is_free
+from cluster.fleet.ports import bind_error, port_is_free
 from cluster.fleet.state import FleetState, clear_state, fleet_tag, load_state, ray_temp_dir, save_state
 from cluster.models.resolve import resolve_model
 
@@ -126,8 +127,12 @@ def _drain_serve(state: FleetState, timeout_s: float = 60.0) -> None:
 
 
 def _preflight(cfg: FleetConfig) -> None:
-    if not port_is_free(cfg.host, cfg.port):
+    err = bind_error(cfg.host, cfg.port)
+    if err is not None and err.errno == errno.EADDRINUSE:
         raise FleetError(f"port {cfg.port} on {cfg.host} is already in use; pass --port with a free port or stop what uses it")
+    if err is not None:
+        raise FleetError(f"cannot listen on {cfg.host}:{cfg.port}: {err.strerror or err}; pass --host with an address "
+                         "of this machine (127.0.0.1 by default) and --port with a port you may bind")
     if cfg.app.redis_url:
         redis_server.ping(cfg.app.redis_url)
     else:

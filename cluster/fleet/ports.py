@@ -23,10 +23,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(host: str, port: int) -> bool:
+    return bind_error(host, port) is None
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on host:port now (taken, an address this machine does not have, a
+    privileged port), or None if it could."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as e:
+            return e
+    return None

@@ -38,7 +38,13 @@ def test_port_taken(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         r = up(tmp_path, "--port", str(port))
-    assert_clean_failure(r, tmp_path, f"port {port}", "--port")
+    assert_clean_failure(r, tmp_path, f"port {port}", "already in use", "--port")
+
+
+def test_an_address_this_machine_lacks_is_not_called_a_port_in_use(tmp_path):
+    r = up(tmp_path, "--host", "192.0.2.1")  # TEST-NET-1: never a local address; binding it sends nothing
+    assert_clean_failure(r, tmp_path, "cannot listen on 192.0.2.1:", "address", "--host")
+    assert "already in use" not in r.stderr
 
 
 def test_unreachable_redis(tmp_path):
