@@ -55,16 +55,22 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return from_validation_errors(list(exc.errors())).response()
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    kind = request.headers.get("content-type", "")
+    if errors and tuple(errors[0].get("loc", ())) == ("body",) and kind and "json" not in kind.lower():
+        # FastAPI reads only a JSON content type as JSON: any other one makes even a JSON object "not an object"
+        return bad_request(f"The request body must be JSON, sent with Content-Type: application/json "
+                           f"(this one was sent as {kind!r})", code="invalid_content_type").response()
+    return from_validation_errors(errors).response()
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 404:  # OpenAI's own answer to a path it does not serve
         return APIError(404, f"Invalid URL ({request.method} {request.url.path})").response()
-    if exc.status_code == 405:
-        return APIError(405, str(exc.detail), code="method_not_allowed").response()
+    if exc.status_code == 405:  # with its Allow header: the methods the path takes
+        return APIError(405, str(exc.detail), code="method_not_allowed", headers=dict(exc.headers or {})).response()
     if exc.status_code == 400:  # FastAPI could not read the body (e.g. not UTF-8)
         return APIError(400, f"Request body is not valid UTF-8 JSON: {exc.detail}", code="invalid_json").response()
     return APIError(exc.status_code, str(exc.detail), code="http_error").response()
@@ -115,9 +121,17 @@ class Gateway:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
+        return {"object": "list", "data": [self._card(m) for m in self.dispatch.models.values()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(self, model: str) -> dict:
+        # What the OpenAI SDK's models.retrieve() asks; a model id may hold slashes (a Hugging Face repo id).
+        return self._card(self.dispatch.model(model))
+
+    def _card(self, served: ServedModel) -> dict:
         # kv_block_tokens: what a client needs to tell a full cache hit from a partial one (0: no cache).
         block = self.config.cache.block_tokens if self.config.cache.enabled else 0
-        return {"object": "list", "data": [m.card() | {"kv_block_tokens": block} for m in self.dispatch.models.values()]}
+        return served.card() | {"kv_block_tokens": block}
 
     @app.get("/v1/fleet/status")
     async def status(self) -> dict:

@@ -12,6 +12,15 @@ from typing import Optional
 from fastapi.responses import JSONResponse
 
 
+class FieldConflict(ValueError):
+    """A request's fields that disagree with each other (a check of the whole body), naming the one to fix:
+    pydantic reports such an error at the body itself, with no field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class APIError(Exception):
     """An error the gateway answers with an OpenAI error body."""
 
@@ -38,7 +47,8 @@ def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_
 
 
 def model_not_found(model: str, available: list[str]) -> APIError:
-    return APIError(404, f"The model '{model}' does not exist. Available: {', '.join(available)}",
+    shown = model if len(model) <= 200 else model[:200] + f"... ({len(model)} characters)"  # never echo a huge name
+    return APIError(404, f"The model '{shown}' does not exist. Available: {', '.join(available)}",
                     param="model", code="model_not_found")
 
 
@@ -76,6 +86,9 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, f"Request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
+    conflict = (first.get("ctx") or {}).get("error")
+    if not loc and isinstance(conflict, FieldConflict):
+        return bad_request(f"Invalid value for '{conflict.param}': {conflict}", conflict.param)
     if not loc and first.get("type") == "missing":  # no body at all: name the field every endpoint needs first
         return bad_request("The request body is empty: missing required parameter: 'model'.", "model",
                            code="missing_required_parameter")

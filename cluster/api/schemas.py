@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       field_validator, model_validator)
 
+from cluster.api.errors import FieldConflict
 from cluster.engine.request import SEED_MAX, SEED_MIN
 
 MAX_TOKENS_LIMIT = 1 << 20
@@ -209,17 +210,17 @@ class ChatCompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _consistent(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldConflict("top_logprobs", "top_logprobs needs logprobs: true")
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise FieldConflict("tool_choice", "tool_choice needs tools")
         if isinstance(choice, ToolChoiceFunction) and choice.function.name not in {t.function.name for t in self.tools}:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+            raise FieldConflict("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools")
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
-            raise ValueError("response_format json_schema needs json_schema.schema")
+            raise FieldConflict("response_format", "response_format json_schema needs json_schema.schema")
         if fmt is not None and fmt.type != "text" and choice not in (None, "none", "auto"):
-            raise ValueError("response_format and a forced tool_choice cannot both constrain the reply")
+            raise FieldConflict("response_format", "response_format and a forced tool_choice cannot both constrain the reply")
         return self
 
     def logprobs_count(self) -> Optional[int]:

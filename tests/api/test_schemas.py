@@ -106,3 +106,14 @@ def test_an_empty_body_names_the_model_as_missing():
 def test_json_invalid():
     err = from_validation_errors([{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error"}])
     assert (err.status, err.code) == (400, "invalid_json")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"top_logprobs": 5}, "top_logprobs"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+])
+def test_fields_that_disagree_name_the_one_to_fix(extra, param):
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, **extra})
+    assert (err.status, err.param) == (400, param)
+    assert err.message.startswith(f"Invalid value for '{param}': ") and "Value error" not in err.message

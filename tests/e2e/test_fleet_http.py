@@ -57,6 +57,20 @@ def test_models_endpoint(client):
     assert [m.model_extra["kv_block_tokens"] for m in models] == [64, 64]
 
 
+def test_one_model_is_retrieved_as_the_sdk_asks(client, http):
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.model_extra["kv_block_tokens"]) == (MODEL, "model", 64)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    err = error_of(http.get("/v1/models/" + "x" * 5000), 404)
+    assert err["code"] == "model_not_found" and len(err["message"]) < 400  # a huge name is not echoed whole
+
+
+def test_a_wrong_method_is_405_with_the_methods_the_path_takes(http):
+    r = http.get("/v1/chat/completions")
+    assert error_of(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+
+
 def test_health(http):
     r = http.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok", "models": {MODEL: True, OTHER: True}}
@@ -171,6 +185,12 @@ def test_malformed_json_is_400(http):
 def test_an_empty_body_is_400_naming_the_model(http, path):
     err = error_of(http.post(path, content=b"", headers={"content-type": "application/json"}), 400)
     assert (err["param"], err["code"]) == ("model", "missing_required_parameter")
+
+
+def test_a_json_body_sent_as_text_is_400_naming_the_content_type(http):
+    body = b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "hi"}]}'
+    err = error_of(http.post("/v1/chat/completions", content=body, headers={"content-type": "text/plain"}), 400)
+    assert err["code"] == "invalid_content_type" and "Content-Type: application/json" in err["message"]
 
 
 def test_unknown_model_is_404(http, client):
