@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every replica (900)")
 
     bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
-    bench.add_argument("name", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch")
+    bench.add_argument("name", nargs="?", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch "
+                                    "(`mlx-fleet bench <name> -h` for its options)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
     # Listed here for the help; its arguments are its own (loadtest/run.py), see main().
@@ -232,8 +233,12 @@ def cmd_deploy(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from cluster.bench import run_benchmark
+    from cluster.bench import BENCHMARKS, run_benchmark
 
+    if a.name is None:  # argparse would call the optional REMAINDER "required" too
+        print(f"mlx-fleet bench: name a benchmark: {', '.join(sorted(BENCHMARKS))} (`mlx-fleet bench <name> -h`)",
+              file=sys.stderr)
+        return 2
     return run_benchmark(a.name, a.rest)
 
 

@@ -250,7 +250,7 @@ def same_texts(theirs: list[list[str]], ours: list[list[str]]) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    p = parser("Continuous batching vs sequential serving and vs mlx_lm.server.")
+    p = parser("Continuous batching vs sequential serving and vs mlx_lm.server.", __name__)
     p.add_argument("--model", default="tiny-dense")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--prompt-tokens", type=int, default=32, help="short: the round is mostly decode")

@@ -53,7 +53,7 @@ def measure(block_tokens: int, tokens: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--sizes", default="16,32,64,128,256")
     p.add_argument("--tokens", type=int, default=2048)
     a = p.parse_args(argv)

@@ -113,7 +113,7 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--models", default=DEFAULT_MODELS)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--block-tokens", type=int, default=64)

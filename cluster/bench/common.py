@@ -13,8 +13,10 @@ from typing import Callable
 from cluster.config import default_data_dir
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+def parser(description: str, module: str = "") -> argparse.ArgumentParser:
+    """A benchmark's parser; `module` (its __name__) names it in usage: `mlx-fleet bench <name>`."""
+    prog = f"mlx-fleet bench {module.rsplit('.', 1)[-1]}" if module else None
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--data-dir", type=Path, default=default_data_dir(), help="where built-in models are built")
     p.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
     return p

@@ -124,7 +124,7 @@ def recovery(work: Path, n: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--dir", type=Path, default=None, help="where to measure (default: a temp dir under the data dir)")
     p.add_argument("--blocks", type=int, default=48)
     p.add_argument("--recovery-blocks", type=int, default=50_000)

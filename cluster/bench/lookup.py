@@ -99,7 +99,7 @@ def measure(index: FleetIndex, nodes: int, iterations: int) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--redis-url", default=None)
     p.add_argument("--nodes", type=int, default=10)
     p.add_argument("--blocks", type=int, default=100_000)

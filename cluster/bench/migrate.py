@@ -96,7 +96,7 @@ def run(a, codec: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--model", default="tiny-dense")

@@ -147,7 +147,7 @@ def summarize(policy: str, records: list[dict], wall: float) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--conversations", type=int, default=36)
     p.add_argument("--turns", type=int, default=3)

@@ -204,7 +204,7 @@ def disk_ttft(name: str, data_dir: Path, codecs: list[str], tokens: int) -> dict
 
 
 def main(argv: list[str]) -> int:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--models", default="tiny-dense,tiny-swa,tiny-hybrid,tiny-gemma4,tiny-next,bench-qwen3-0.6b")
     p.add_argument("--tokens", type=int, default=512, help="prompt tokens for the K/V and logit measurements")
     p.add_argument("--prompts", type=int, default=4)

@@ -19,9 +19,9 @@ FAMILIES: dict[str, LayoutFn] = {
 class UnsupportedModel(ValueError):
     """The model's cache layout is not one we can cut into blocks; it is served without caching."""
 
-    def __init__(self, model_type: str, reason: str):
-        supported = ", ".join(sorted(FAMILIES))
-        super().__init__(f"KV block caching does not support model_type {model_type!r} ({reason}); supported: {supported}")
+    def __init__(self, model_type: str, reason: str, list_families: bool = False):
+        supported = f"; supported: {', '.join(sorted(FAMILIES))}" if list_families else ""
+        super().__init__(f"KV block caching does not support model_type {model_type!r} ({reason}){supported}")
         self.model_type = model_type
 
 
@@ -32,13 +32,14 @@ def layout_for(model, config: dict, kv_codec: str = "native", group_size: int = 
     model_type = config.get("model_type", "?")
     fn = FAMILIES.get(model_type)
     if fn is None:
-        raise UnsupportedModel(model_type, "no layout declared for this family")
+        raise UnsupportedModel(model_type, "no layout declared for this family", list_families=True)
     specs = tuple(fn(model, text_config(config)))
     _check_against_mlx(model_type, specs, model)
     if kv_codec in ("q8", "q4"):  # tq*: the model runs native caches, blocks are packed (kvcache/payload_codec.py)
         if any(not isinstance(s, FullAttention) for s in specs):
-            raise UnsupportedModel(model_type, f"kv_codec {kv_codec} needs a model with full attention only "
-                                               "(mlx-lm cannot quantize sliding-window or recurrent caches)")
+            raise UnsupportedModel(model_type, f"with kv_codec {kv_codec}: it needs a model with full attention only, "
+                                               "as mlx-lm cannot quantize sliding-window or recurrent caches; "
+                                               "kv_codec native or tq8/tq4/tq3/tq2 cache this model")
         bits = {"q8": 8, "q4": 4}[kv_codec]
         specs = tuple(QuantizedAttention(bits, group_size) for _ in specs)
     return Layout(family=model_type, layers=specs)

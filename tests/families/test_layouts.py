@@ -35,8 +35,9 @@ def test_quantized_codec_replaces_full_attention(load_builtin, data_dir):
 def test_quantized_codec_is_refused_for_sliding_and_recurrent(load_builtin, data_dir):
     for name in ("tiny-swa", "tiny-hybrid"):
         model, _ = load_builtin(name)
-        with pytest.raises(UnsupportedModel, match="full attention only"):
+        with pytest.raises(UnsupportedModel, match="full attention only") as e:
             layout_for(model, read_config(resolve_model(name, data_dir)), "q4", 64)
+        assert "supported:" not in str(e.value) and "kv_codec native or tq8" in str(e.value)  # its family is one
 
 
 def test_unknown_family_names_what_is_supported(load_builtin):
