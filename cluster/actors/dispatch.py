@@ -102,6 +102,8 @@ class Dispatcher:
         """Plan, send the request and return once it has started (or ended); retry lost replicas."""
         if request.route is None and not request.use_cache:  # nothing to find: any replica will do
             request = dataclasses.replace(request, route=RoutePlan(policy=self.config.routing.policy, reason="bypass"))
+            if self.router is not None:
+                self.router.count(request.route)  # so status's routes add up to the requests
         if request.route is None:
             plan = (await self.router.plan(served.name, list(request.prompt_tokens)) if self.router is not None
                     else RoutePlan(policy="pow2", reason="fallback"))

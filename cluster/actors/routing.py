@@ -249,23 +249,23 @@ class Affinity:
 
     async def plan(self, model: str, prompt: list[int]) -> RoutePlan:
         if self.cfg.policy != "affinity":
-            return self._count(RoutePlan(policy=self.cfg.policy, reason="policy"))
+            return self.count(RoutePlan(policy=self.cfg.policy, reason="policy"))
         await self.view.ensure(self.cfg.lookup_timeout_s)
         nodes = [r for r in self.view.of(model) if r.healthy and r.namespace is not None]
         if self.index is None or not self.view.ok or not nodes:
-            return self._count(RoutePlan(policy="affinity", reason="fallback"))
+            return self.count(RoutePlan(policy="affinity", reason="fallback"))
         try:
             held = await asyncio.wait_for(self._lookup(nodes, prompt), self.cfg.lookup_timeout_s)
         except Exception as e:  # Redis slow or away: keep serving, by power of two choices
             log.debug("index lookup failed (%s); falling back", type(e).__name__)
             metrics.inc("mlx_fleet_redis_errors", node="", component="index_lookup")
-            return self._count(RoutePlan(policy="affinity", reason="fallback"))
+            return self.count(RoutePlan(policy="affinity", reason="fallback"))
         loads, queued = self.loads(nodes, held)
         plan = choose(options(len(prompt), nodes, held, loads, self.cfg, queued), self.cfg.load_factor,
                       recent=self._recent(nodes), near=(self.cfg.near_ratio, self.cfg.near_s, self.cfg.near_share),
                       prompt_len=len(prompt))
         self._sent(plan.node_id)
-        return self._count(plan)
+        return self.count(plan)
 
     def _recent(self, nodes: list[ReplicaInfo]) -> dict[str, float]:
         """Requests this gateway sent to each node lately, decayed with `recent_half_life_s`."""
@@ -297,7 +297,8 @@ class Affinity:
         wanted = {(r.namespace, r.node_id) for r in nodes}
         return {h.node_id: h for ns, holdings in zip(by_ns, results) for h in holdings if (ns, h.node_id) in wanted}
 
-    def _count(self, plan: RoutePlan) -> RoutePlan:
+    def count(self, plan: RoutePlan) -> RoutePlan:
+        """Count a plan by its reason (status's routes), made here or, for a bypass, by the dispatcher."""
         self.reasons[plan.reason] += 1
         return plan
 

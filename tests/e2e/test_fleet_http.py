@@ -289,11 +289,20 @@ def test_a_long_prompt_is_cold_once_then_cached_wherever_it_is_served_with_ident
         assert cached == int(plan["local"]) + int(plan["fetched"]), plan
 
 
-def test_the_cache_bypass_header_gives_the_cold_answer_and_bad_values_are_400(http):
+def bypass_routes(fleet) -> int:
+    return (fleet.status().get("fleet") or {}).get("routes", {}).get("bypass", 0)
+
+
+def test_the_cache_bypass_header_gives_the_cold_answer_and_bad_values_are_400(fleet, http):
     body = {"model": MODEL, "prompt": " ".join(["A cold path to compare against."] * 30), "max_tokens": 10,
             "temperature": 0}
     warm = [http.post("/v1/completions", json=body) for _ in range(2)]
+    before = bypass_routes(fleet)
     cold = http.post("/v1/completions", json=body, headers={"x-fleet-cache": "bypass"})
+    deadline = time.monotonic() + 15  # gateways publish their counts every 2 s
+    while bypass_routes(fleet) != before + 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert bypass_routes(fleet) == before + 1  # status's routes count bypassed requests too
     assert warm[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert route_of(cold.headers) == {"policy": "affinity", "reason": "bypass", "local": "0", "fetched": "0"}
