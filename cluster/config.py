@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from cluster.models.catalog import DEFAULT_MODEL
 
@@ -28,8 +28,35 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("MLX_FLEET_DATA_DIR", "~/.mlx-fleet")).expanduser()
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v, info: ValidationInfo):
+        """pydantic reads `true` as 1 for an int or float: `ram_bytes: true` in YAML would be a 1-byte tier."""
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in (int, float, Optional[int],
+                                                                                     Optional[float]):
+            raise ValueError(f"{v!r} is a boolean; give a number")
+        return v
+
+
+def first_error(e: ValidationError) -> tuple[str, str]:
+    """(dotted field path, message) of a ValidationError's first error, for a one-line message that names
+    the field; without pydantic's "Value error, " prefix, which says nothing to a user."""
+    err = e.errors()[0]
+    return ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
+
+
+def check_redis_url(v: Optional[str]) -> Optional[str]:
+    """Refuse what redis-py would fail on later, in a replica's log, rather than here by name."""
+    if v is not None and not v.startswith(REDIS_SCHEMES):
+        raise ValueError(f"{v!r} is not a Redis URL: give redis://[:password@]host:port/db, rediss://... (TLS) "
+                         "or unix:///path/to/redis.sock")
+    return v
 
 
 class CacheConfig(_Config):
@@ -212,13 +239,20 @@ class AppConfig(_Config):
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="How requests are routed to replicas.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis connection settings.")
 
-    @model_validator(mode="after")
-    def _unique_names(self) -> "AppConfig":
-        names = [m.name for m in self.models]
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelSpec]) -> list[ModelSpec]:
+        names = [m.name for m in models]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
-            raise ValueError(f"models: names must be unique, {sorted(dup)} repeats; use NAME=SOURCE to rename one")
-        return self
+            raise ValueError(f"model names must be unique, {sorted(dup)} repeats: give each model its own `name` "
+                             "(on the command line, --model NAME=SOURCE)")
+        return models
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, v: Optional[str]) -> Optional[str]:
+        return check_redis_url(v)
 
 
 class FleetConfig(_Config):
@@ -232,3 +266,8 @@ class FleetConfig(_Config):
     dashboard: bool = Field(True, description="Start the Ray dashboard on the head node.")
     foreground: bool = Field(False, description="Stay attached and stop the fleet on Ctrl-C.")
     app: AppConfig = Field(default_factory=AppConfig, description="The Serve application to deploy.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, v: Optional[str]) -> Optional[str]:
+        return check_redis_url(v)

@@ -33,9 +33,31 @@ def test_model_spec_parse():
     assert ModelSpec.parse("/models/my-llama").name == "my-llama"
 
 
-def test_duplicate_model_names_are_refused():
-    with pytest.raises(ValidationError, match="repeats"):
+def test_duplicate_model_names_are_refused_under_models():
+    with pytest.raises(ValidationError) as e:
         AppConfig(models=[ModelSpec.parse("tiny-dense"), ModelSpec.parse("tiny-dense")])
+    assert e.value.errors()[0]["loc"] == ("models",)
+    assert "['tiny-dense'] repeats: give each model its own `name`" in e.value.errors()[0]["msg"]
+
+
+@pytest.mark.parametrize("cls, field", [(CacheConfig, "ram_bytes"), (CacheConfig, "disk_bytes"),
+                                        (CacheConfig, "store_timeout_s"), (ModelSpec, "max_context")])
+def test_a_boolean_is_not_a_number(cls, field):
+    """YAML's `true` would otherwise be 1: a 1-byte RAM tier, a 1-token context."""
+    data = {"name": "m", "source": "tiny-dense"} if cls is ModelSpec else {}
+    with pytest.raises(ValidationError) as e:
+        cls.model_validate({**data, field: True})
+    assert e.value.errors()[0]["loc"] == (field,) and "True is a boolean; give a number" in e.value.errors()[0]["msg"]
+    assert cls.model_validate({**data, "enabled": False} if cls is CacheConfig else data)  # booleans stay booleans
+
+
+@pytest.mark.parametrize("cls", [AppConfig, FleetConfig])
+def test_a_redis_url_must_be_one(cls):
+    with pytest.raises(ValidationError) as e:
+        cls.model_validate({"redis_url": "http://10.0.0.1:6379"})
+    assert e.value.errors()[0]["loc"] == ("redis_url",) and "is not a Redis URL" in e.value.errors()[0]["msg"]
+    for url in ("redis://:pw@10.0.0.1:6380/0", "rediss://h:6380/0", "unix:///tmp/redis.sock", None):
+        assert cls.model_validate({"redis_url": url}).redis_url == url
 
 
 def test_app_config_round_trips_through_yaml_form():

@@ -1,7 +1,8 @@
 """`mlx-fleet deploy FILE`: deploy or update the Serve app on a running Ray cluster, and wait for it.
 
 The file is the one `serve deploy` takes (deploy/serve.yaml): Ray's own schema
-checks its shape, and each mlx-fleet application's `args` goes through the
+checks its shape, a key that schema has no field for is refused (Serve itself
+drops it silently), and each mlx-fleet application's `args` goes through the
 same AppConfig the CLI uses, so a misspelt key is refused, by name, before
 anything reaches the cluster. Then, like `serve deploy`, the config is PUT to
 the dashboard's Serve API (Ray adds the cluster's auth token when
@@ -20,7 +21,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from cluster.config import AppConfig
+from cluster.config import AppConfig, first_error
 
 APP_IMPORT_PATH = "cluster.actors.app:build_app"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -45,19 +46,64 @@ def load_serve_file(path: Path) -> dict:
         raise DeployError(f"{path}: no `applications` list; see deploy/serve.yaml for the shape")
     try:
         ServeDeploySchema.parse_obj(raw)
-    except Exception as e:  # Ray's pydantic (v1 API) error: its text names the field
+    except Exception as e:  # Ray's pydantic error: its text names the field
         raise DeployError(f"{path}: not a Serve config: {e}") from None
+    unknown = unknown_key(ServeDeploySchema, raw)
+    if unknown:
+        raise DeployError(f"{path}: {unknown}")
     for i, app in enumerate(raw["applications"]):
-        if app.get("import_path") != APP_IMPORT_PATH:
+        where = app.get("import_path")
+        if where != APP_IMPORT_PATH and where.partition(":")[0].split(".")[0] == "cluster":
+            raise DeployError(f"{path}: applications[{i}].import_path: {where!r} is not mlx-fleet's application; "
+                              f"did you mean {APP_IMPORT_PATH}?")
+        if where != APP_IMPORT_PATH:
             continue
         try:
             AppConfig.model_validate(app.get("args") or {})
         except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
-            raise DeployError(f"{path}: applications[{i}].args.{field}: {err['msg']} "
+            field, msg = first_error(e)
+            raise DeployError(f"{path}: applications[{i}].args.{field}: {msg} "
                               f"(the fields and what they mean: cluster/config.py, or `mlx-fleet up --help`)") from None
     return raw
+
+
+def unknown_key(schema, data, where: str = "") -> str:
+    """The first key of `data` that `schema` (one of Ray's pydantic Serve schemas) has no field for, named by
+    its path with the closest field names, or "". Serve drops such keys without a word: `htp_options:` would
+    deploy on the default port, and the dashboard would show nothing wrong."""
+    import difflib
+
+    if not isinstance(data, dict):
+        return ""
+    fields = schema.model_fields
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=3)
+            hint = f"; did you mean {' or '.join(near)}?" if near else f"; {schema.__name__} takes {', '.join(fields)}"
+            return f"{path}: Serve has no such setting{hint}"
+        for inner, items in _nested(fields[key].annotation, value, path):
+            for item_path, item in items:
+                found = unknown_key(inner, item, item_path)
+                if found:
+                    return found
+    return ""
+
+
+def _nested(annotation, value, path: str):
+    """The pydantic models inside a field's type (a model, Optional[model], List[model]) with the parts of
+    `value` each one checks, as (model, [(path, part)])."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            yield t, [(path, value)]
+        elif typing.get_origin(t) is list and isinstance(value, list):
+            for inner in typing.get_args(t):
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    yield inner, [(f"{path}[{i}]", v) for i, v in enumerate(value)]
 
 
 def dashboard_address(explicit: Optional[str] = None) -> str:

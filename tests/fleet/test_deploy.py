@@ -30,10 +30,27 @@ def test_the_shipped_file_loads():
      "applications[0].args.models.0.max_ongoing_requests"),
     (lambda d: d["applications"][0].pop("import_path"), "import_path"),
     (lambda d: d.pop("applications"), "applications"),
+    (lambda d: d.update(htp_options=d.pop("http_options")), "htp_options: Serve has no such setting; did you mean http_options"),
+    (lambda d: d["http_options"].update(prot=8001), "http_options.prot: Serve has no such setting; did you mean port?"),
+    (lambda d: d["applications"][0].update(deployments=[{"name": "Gateway", "ray_actor_options": {"num_cpu": 1}}]),
+     "applications[0].deployments[0].ray_actor_options.num_cpu: Serve has no such setting; did you mean num_cpus"),
+    (lambda d: d["applications"][0].update(import_path="cluster.actors.ap:build_app"),
+     "applications[0].import_path: 'cluster.actors.ap:build_app' is not mlx-fleet's application; "
+     "did you mean cluster.actors.app:build_app?"),
+    (lambda d: d["applications"][0]["args"]["models"].append(d["applications"][0]["args"]["models"][0]),
+     "applications[0].args.models: model names must be unique, ['qwen3-4b'] repeats: give each model its own `name`"),
+    (lambda d: d["applications"][0]["args"].update(redis_url="http://10.0.0.1:6380"),
+     "applications[0].args.redis_url: 'http://10.0.0.1:6380' is not a Redis URL"),
 ])
 def test_a_wrong_file_is_refused_naming_the_field(tmp_path, change, named):
     with pytest.raises(DeployError, match=named.replace("[", r"\[").replace("]", r"\]")):
         load_serve_file(variant(tmp_path, change))
+
+
+def test_other_applications_pass_as_they_are(tmp_path):
+    path = variant(tmp_path, lambda d: d["applications"].append(
+        {"name": "other", "route_prefix": "/other", "import_path": "their_app.main:app", "args": {"anything": 1}}))
+    assert [a["name"] for a in load_serve_file(path)["applications"]] == ["mlx-fleet", "other"]
 
 
 def test_the_cli_says_it_in_one_line_and_exits_nonzero(tmp_path):
