@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cluster.config import (AppConfig, CacheConfig, FleetConfig, GatewayConfig, ModelSpec, RoutingConfig,
-                            default_data_dir)
+                            default_data_dir, first_error)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block (16-256)")
+    up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block, 16-256 (default 64)")
     up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4", "tq8", "tq4", "tq3", "tq2"],
                     help="how K/V are kept: native (exact), q8/q4 (mlx's quantized cache), tq8..tq2 (TurboQuant-packed in the tiers and between nodes)")
     up.add_argument("--cache-ram-gb", type=float, default=None, help="RAM tier budget per replica in GiB (default 2)")
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--stream-messages", type=float, default=None, metavar="PER_S",
                     help="most messages per second a replica streams over all its requests; with more streams each "
                          "one's interval grows (default 100; 0: no bound)")
-    up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503")
+    up.add_argument("--assign-timeout", type=float, default=None, help="seconds a request may wait for a replica before 503 (default 15)")
     up.add_argument("--api-keys-file", default=None, metavar="FILE",
                     help="require 'Authorization: Bearer <key>' with one of the keys in FILE (one per line); "
                          "MLX_FLEET_API_KEYS (comma-separated) adds more")
@@ -67,11 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     _data_dir(down)
 
     status = sub.add_parser("status", help="nodes, replicas and models of a running fleet")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true",
+                        help="print it as JSON (with \"running\": false and the reason when no fleet runs)")
     _data_dir(status)
 
     models = sub.add_parser("models", help="list the built-in models (building any that are missing)")
-    models.add_argument("--json", action="store_true")
+    models.add_argument("--json", action="store_true", help="print the list as JSON")
     _data_dir(models)
 
     deploy = sub.add_parser("deploy", help="deploy or update the app on a running Ray cluster (a `ray up` fleet) "
@@ -185,12 +186,15 @@ def cmd_status(a: argparse.Namespace) -> int:
     data_dir = a.data_dir or default_data_dir()
     state = load_state(data_dir)
     if state is None or not state.ready:
-        print(f"mlx-fleet: no fleet is running under {Path(data_dir).expanduser()} (start one with `mlx-fleet up`)",
-              file=sys.stderr)
+        why = f"no fleet is running under {Path(data_dir).expanduser()} (start one with `mlx-fleet up`)"
+        if a.json:  # whoever parses it gets JSON either way
+            print(json.dumps({"running": False, "data_dir": str(Path(data_dir).expanduser()), "error": why}))
+        print(f"mlx-fleet: {why}", file=sys.stderr)
         return 1
     out = _own_stdout()
     connect(state)
     status = fleet_status(state.redis_url, state.models, state.data_dir)
+    status["running"] = True
     status["endpoint"] = state.http_url
     status["dashboard"] = state.dashboard_url
     if a.json:
@@ -257,9 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        print(f"mlx-fleet: invalid {field}: {err['msg']}", file=sys.stderr)
+        field, msg = first_error(e)
+        print(f"mlx-fleet: invalid {field or 'config'}: {msg}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError) as e:
         print(f"mlx-fleet: {e}", file=sys.stderr)

@@ -24,7 +24,7 @@ from cluster.config import AppConfig, FleetConfig
 from cluster.fleet import lock, processes, ray_env, ray_nodes, redis_server, supervisor
 from cluster.fleet.ports import bind_error, port_is_free
 from cluster.fleet.state import FleetState, clear_state, fleet_tag, load_state, ray_temp_dir, save_state
-from cluster.models.resolve import resolve_model
+from cluster.models.resolve import check_source, resolve_model
 
 APP_NAME = "mlx-fleet"
 STOP_GRACE_S = 3.0
@@ -127,6 +127,10 @@ def _drain_serve(state: FleetState, timeout_s: float = 60.0) -> None:
 
 
 def _preflight(cfg: FleetConfig) -> None:
+    """What would fail later, said now, before anything starts: the models first (a typo there is the
+    likeliest mistake), then the port, Redis and the API keys file."""
+    for spec in cfg.app.models:
+        check_source(spec.source)
     err = bind_error(cfg.host, cfg.port)
     if err is not None and err.errno == errno.EADDRINUSE:
         raise FleetError(f"port {cfg.port} on {cfg.host} is already in use; pass --port with a free port or stop what uses it")

@@ -33,7 +33,8 @@ def render(status: dict) -> str:
                   f"  reuse {reuse} of prompt tokens (fetched from peers: {fleet.get('fetched_tokens', 0)} tokens), "
                   f"routes: {routes}",
                   f"  migrated {fleet.get('migrated_blocks', 0)} blocks {fleet.get('migrated_bytes', 0) / 2**20:.1f} MiB"
-                  f" ({fleet.get('migration_failures', 0)} failed), index {entries} entries, lookup p50 "
+                  f" ({fleet.get('migration_failures', 0)} failed), index {entries} entries (a block once per node and "
+                  f"tier holding it), lookup p50 "
                   f"{fleet.get('lookup_ms_p50') or '-'} ms p99 {fleet.get('lookup_ms_p99') or '-'} ms"]
     lines += ["", "models:"]
     for m in status["models"]:
@@ -80,8 +81,8 @@ def _cache_line(cache: dict) -> str:
     spill_text = (f", spill queued {spill['queued']} spilled {spill['spilled']} dropped {spill['dropped_spills']}"
                   if spill else ", disk off")
     return (f"cache {cache['namespace']} B={cache['block_tokens']}: ram {ram['blocks']} blocks "
-            f"{ram['bytes'] / 2**20:.1f}/{ram['budget'] / 2**20:.0f} MiB, hits {ram['hits']} misses {ram['misses']} "
-            f"evictions {ram['evictions']}, stored {cache['blocks_stored']} blocks "
+            f"{ram['bytes'] / 2**20:.1f}/{ram['budget'] / 2**20:.0f} MiB, served {ram['hits']} blocks, {ram['misses']} "
+            f"not in RAM, evictions {ram['evictions']}, stored {cache['blocks_stored']} blocks "
             f"{cache['checkpoints_stored']} checkpoints, corrupt {bad or 0}{spill_text}")
 
 
@@ -91,5 +92,5 @@ def _disk_line(disk) -> str:
     quarantined = sum(disk.get("quarantined", {}).values())
     state = f" DEGRADED ({disk['degraded']['reason']})" if disk.get("degraded") else ""
     return (f"disk: {disk['blocks']} blocks {disk['bytes'] / 2**20:.1f} MiB of {disk['budget'] / 2**30:.1f} GiB, "
-            f"hits {disk['hits']} misses {disk['misses']}, evictions {disk['evictions']}, "
+            f"served {disk['hits']} blocks, {disk['misses']} not on disk, evictions {disk['evictions']}, "
             f"quarantined {quarantined}, dropped spills {disk['dropped_spills']}{state}")

@@ -56,18 +56,28 @@ def resolve_tokenizer(source: str, data_dir: Path) -> Path:
     return _local_or_hub(source, _download_tokenizer)
 
 
-def _local_or_hub(source: str, download) -> Path:
+def check_source(source: str) -> str:
+    """What kind of source it is ("builtin", "local", "hub"), without building, reading weights or
+    downloading; raises ModelNotFound for one that cannot be any, so `up` says so before it starts anything."""
+    if source in BUILTINS:
+        return "builtin"
     path = Path(source).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"model {source!r}: {path} has no config.json; point --model at an mlx-lm model directory")
-        return path.resolve()
+        return "local"
     if _REPO_RE.match(source) and not source.startswith((".", "/", "~")):
-        return download(source)
+        return "hub"
     names = ", ".join(n for n, m in BUILTINS.items() if m.listed)
     raise ModelNotFound(
         f"model {source!r} is not a built-in model ({names}), not an existing directory, and not a Hugging Face repo id (owner/name)"
     )
+
+
+def _local_or_hub(source: str, download) -> Path:
+    if check_source(source) == "local":
+        return Path(source).expanduser().resolve()
+    return download(source)
 
 
 def _download(repo: str) -> Path:

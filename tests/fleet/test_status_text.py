@@ -1,5 +1,11 @@
 """`mlx-fleet status` as text: what each replica line says its numbers count."""
 
+import json
+import subprocess
+import sys
+
+import pytest
+
 from cluster.fleet.status_text import render
 
 
@@ -32,3 +38,33 @@ def test_replica_ages_read_in_seconds_minutes_or_hours():
     ages = [ls[ls.index("replicas:") + 1].rsplit("(", 1)[1] for ls in lines]
     assert ages == ["since it started 42s ago)", "since it started 2h07m ago)"]
     assert "(since it started - ago)" in render(status(replica(started=None)))
+
+
+def test_tier_lines_say_what_their_counters_count():
+    """`served` counts blocks read from the tier; a block of a cached prefix not found there is `not in RAM`
+    (read from the disk instead) or `not on disk` (gone: the prefix is shorter)."""
+    cache = {"enabled": True, "namespace": "ab12cd34", "block_tokens": 64, "blocks_stored": 9, "checkpoints_stored": 0,
+             "ram": {"blocks": 9, "bytes": 3 << 20, "budget": 2 << 30, "hits": 12, "misses": 2, "evictions": 0},
+             "spill": {"queued": 0, "spilled": 9, "dropped_spills": 0}}
+    disk = {"blocks": 9, "bytes": 3 << 20, "budget": 4 << 30, "hits": 2, "misses": 1, "evictions": 0,
+            "dropped_spills": 0}
+    st = status(replica(cache=cache)) | {
+        "nodes": [{"name": "node-0", "node_id": "node-0-1a2b3c4d", "alive": True, "address": "127.0.0.1", "disk": disk}],
+        "fleet": {"reuse": 0.25, "routes": {"affinity": 7}, "index_entries": {"ab12cd34": {"node-0-1a2b3c4d": 18}}}}
+    lines = render(st).splitlines()
+    assert lines[lines.index("nodes:") + 2] == ("      disk: 9 blocks 3.0 MiB of 4.0 GiB, served 2 blocks, 1 not on disk, "
+                                                "evictions 0, quarantined 0, dropped spills 0")
+    assert lines[lines.index("replicas:") + 3] == (
+        "      cache ab12cd34 B=64: ram 9 blocks 3.0/2048 MiB, served 12 blocks, 2 not in RAM, evictions 0, "
+        "stored 9 blocks 0 checkpoints, corrupt 0, spill queued 0 spilled 9 dropped 0")
+    assert "index 18 entries (a block once per node and tier holding it)" in lines[lines.index("fleet:") + 2]
+
+
+@pytest.mark.parametrize("json_flag", [False, True])
+def test_status_of_a_stopped_fleet_says_so_and_exits_1(tmp_path, json_flag):
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--data-dir", str(tmp_path)]
+                       + (["--json"] if json_flag else []), capture_output=True, text=True, timeout=60)
+    why = f"no fleet is running under {tmp_path} (start one with `mlx-fleet up`)"
+    assert r.returncode == 1 and r.stderr == f"mlx-fleet: {why}\n"
+    assert (json.loads(r.stdout) if json_flag else r.stdout) == (
+        {"running": False, "data_dir": str(tmp_path), "error": why} if json_flag else "")

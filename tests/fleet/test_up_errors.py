@@ -41,6 +41,15 @@ def test_port_taken(tmp_path):
     assert_clean_failure(r, tmp_path, f"port {port}", "already in use", "--port")
 
 
+def test_a_bad_model_is_named_before_a_taken_port(tmp_path):
+    """Both wrong: the model is said first, so the next try does not fail on it after the port is freed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = up(tmp_path, "--port", str(s.getsockname()[1]), "--model", "tiny-dens")
+    assert_clean_failure(r, tmp_path, "'tiny-dens' is not a built-in model")
+
+
 def test_an_address_this_machine_lacks_is_not_called_a_port_in_use(tmp_path):
     r = up(tmp_path, "--host", "192.0.2.1")  # TEST-NET-1: never a local address; binding it sends nothing
     assert_clean_failure(r, tmp_path, "cannot listen on 192.0.2.1:", "address", "--host")
@@ -55,8 +64,12 @@ def test_unreachable_redis(tmp_path):
     assert_clean_failure(r, tmp_path, "cannot reach Redis", "--redis-url")
 
 
-@pytest.mark.parametrize("args,field", [(["--nodes", "0"], "nodes"), (["--block-tokens", "7"], "block_tokens")])
-def test_config_errors_name_the_field(tmp_path, args, field):
+@pytest.mark.parametrize("args,line", [
+    (["--nodes", "0"], "mlx-fleet: invalid nodes: Input should be greater than or equal to 1"),
+    (["--block-tokens", "7"], "mlx-fleet: invalid block_tokens: Input should be greater than or equal to 16"),
+    (["--redis-url", "http://127.0.0.1:6379"], "mlx-fleet: invalid redis_url: 'http://127.0.0.1:6379' is not a Redis URL"),
+])
+def test_config_errors_name_the_field(tmp_path, args, line):
     r = up(tmp_path, *args)
     assert r.returncode == 2
-    assert field in r.stderr
+    assert r.stderr.startswith(line)
