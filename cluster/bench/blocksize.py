@@ -54,8 +54,8 @@ def measure(block_tokens: int, tokens: int) -> dict:
 
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
-    p.add_argument("--sizes", default="16,32,64,128,256")
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--sizes", default="16,32,64,128,256", help="block sizes to compare, comma-separated")
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens captured and restored")
     a = p.parse_args(argv)
     rows = []
     print(f"{'B':>5}{'hash 8k ms':>12}{'keys 8k':>9}{'capture ms':>12}{'restore ms':>12}{'capture GB/s':>14}"

@@ -114,9 +114,9 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
 
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
-    p.add_argument("--models", default=DEFAULT_MODELS)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--block-tokens", type=int, default=64)
+    p.add_argument("--models", default=DEFAULT_MODELS, help="built-in models, comma-separated")
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens prefilled, then encoded and decoded")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
     a = p.parse_args(argv)
     rows = [measure(m, a.data_dir, a.tokens, a.block_tokens) for m in a.models.split(",")]
     print(f"{'model':<22}{'KV B/tok':>9}{'ckpt B':>9}{'enc GB/s':>10}{'dec GB/s':>10}{'copy GB/s':>11}"

@@ -13,10 +13,22 @@ from typing import Callable
 from cluster.config import default_data_dir
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says its own or has none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "default" in text or not action.option_strings:
+            return text
+        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        return f"{text} (default: {default})".lstrip()
+
+
 def parser(description: str, module: str = "") -> argparse.ArgumentParser:
     """A benchmark's parser; `module` (its __name__) names it in usage: `mlx-fleet bench <name>`."""
     prog = f"mlx-fleet bench {module.rsplit('.', 1)[-1]}" if module else None
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=_DefaultsShown)
     p.add_argument("--data-dir", type=Path, default=default_data_dir(), help="where built-in models are built")
     p.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
     return p

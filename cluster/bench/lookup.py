@@ -100,10 +100,10 @@ def measure(index: FleetIndex, nodes: int, iterations: int) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--nodes", type=int, default=10)
-    p.add_argument("--blocks", type=int, default=100_000)
-    p.add_argument("--iterations", type=int, default=300)
+    p.add_argument("--redis-url", default=None, help="an existing Redis to use (default: start one on loopback)")
+    p.add_argument("--nodes", type=int, default=10, help="nodes in the index")
+    p.add_argument("--blocks", type=int, default=100_000, help="blocks in the index")
+    p.add_argument("--iterations", type=int, default=300, help="timings per prompt length")
     a = p.parse_args(argv)
     proc = None
     with tempfile.TemporaryDirectory() as work:

@@ -97,9 +97,9 @@ def run(a, codec: str) -> dict:
 
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--model", default="tiny-dense")
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens")
+    p.add_argument("--concurrency", type=int, default=4, help="requests sent at once")
+    p.add_argument("--model", default="tiny-dense", help="the model the fleet serves")
     p.add_argument("--kv-codec", nargs="+", default=["native"],
                    help="the fleet's --kv-codec; several (native tq4) measure each on its own fleet in this run")
     a = p.parse_args(argv)

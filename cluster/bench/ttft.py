@@ -89,9 +89,9 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
 
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
-    p.add_argument("--models", default="bench-qwen3-0.6b")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--block-tokens", type=int, default=64)
+    p.add_argument("--models", default="bench-qwen3-0.6b", help="built-in models, comma-separated")
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
     a = p.parse_args(argv)
     rows = []
     print(f"{'model':<20}{'tokens':>7}{'cached':>8}{'cold s':>9}{'capture s':>11}{'ram s':>8}{'disk s':>8}"

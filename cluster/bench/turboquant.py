@@ -205,11 +205,12 @@ def disk_ttft(name: str, data_dir: Path, codecs: list[str], tokens: int) -> dict
 
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
-    p.add_argument("--models", default="tiny-dense,tiny-swa,tiny-hybrid,tiny-gemma4,tiny-next,bench-qwen3-0.6b")
+    p.add_argument("--models", default="tiny-dense,tiny-swa,tiny-hybrid,tiny-gemma4,tiny-next,bench-qwen3-0.6b",
+                   help="built-in models, comma-separated")
     p.add_argument("--tokens", type=int, default=512, help="prompt tokens for the K/V and logit measurements")
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=4, help="prompts for the next-token logit comparison")
     p.add_argument("--ttft-model", default="tiny-dense", help="model for the disk-restore TTFT ('' to skip)")
-    p.add_argument("--ttft-tokens", type=int, default=2048)
+    p.add_argument("--ttft-tokens", type=int, default=2048, help="prompt tokens of the disk-restore TTFT")
     a = p.parse_args(argv)
     codecs = ["tq8", "tq4", "tq3", "tq2", "q8", "q4"]
     rows = []
