@@ -23,6 +23,7 @@ Arguments after `--` go to locust as they are (workload sizes: `-- --doc-words 2
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import json
 import os
@@ -189,7 +190,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_target(a.attach, a.allow_remote)
         except ValueError as e:
             raise SystemExit(str(e))
-    import importlib.util
 
     if importlib.util.find_spec("locust") is None:
         raise SystemExit("locust is not installed in this environment: run `make deps` "

@@ -56,13 +56,7 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = list(exc.errors())
-    kind = request.headers.get("content-type", "")
-    if errors and tuple(errors[0].get("loc", ())) == ("body",) and kind and "json" not in kind.lower():
-        # FastAPI reads only a JSON content type as JSON: any other one makes even a JSON object "not an object"
-        return bad_request(f"The request body must be JSON, sent with Content-Type: application/json "
-                           f"(this one was sent as {kind!r})", code="invalid_content_type").response()
-    return from_validation_errors(errors).response()
+    return from_validation_errors(list(exc.errors()), request.headers.get("content-type", "")).response()
 
 
 @app.exception_handler(StarletteHTTPException)

@@ -77,11 +77,15 @@ def _field_path(loc) -> list[str]:
     return path
 
 
-def from_validation_errors(errors: list[dict]) -> APIError:
+def from_validation_errors(errors: list[dict], content_type: str = "") -> APIError:
     """Turn FastAPI/pydantic validation errors into one 400 naming the first bad field."""
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
+    if tuple(first.get("loc", ())) == ("body",) and content_type and "json" not in content_type.lower():
+        # FastAPI reads only a JSON content type as JSON: any other one makes even a JSON object "not an object"
+        return bad_request(f"The request body must be JSON, sent with Content-Type: application/json "
+                           f"(this one was sent as {content_type!r})", code="invalid_content_type")
     loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":

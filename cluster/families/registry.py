@@ -19,9 +19,8 @@ FAMILIES: dict[str, LayoutFn] = {
 class UnsupportedModel(ValueError):
     """The model's cache layout is not one we can cut into blocks; it is served without caching."""
 
-    def __init__(self, model_type: str, reason: str, list_families: bool = False):
-        supported = f"; supported: {', '.join(sorted(FAMILIES))}" if list_families else ""
-        super().__init__(f"KV block caching does not support model_type {model_type!r} ({reason}){supported}")
+    def __init__(self, model_type: str, reason: str):
+        super().__init__(f"KV block caching does not support model_type {model_type!r} ({reason})")
         self.model_type = model_type
 
 
@@ -32,7 +31,7 @@ def layout_for(model, config: dict, kv_codec: str = "native", group_size: int = 
     model_type = config.get("model_type", "?")
     fn = FAMILIES.get(model_type)
     if fn is None:
-        raise UnsupportedModel(model_type, "no layout declared for this family", list_families=True)
+        raise UnsupportedModel(model_type, f"no layout declared for this family; supported: {', '.join(sorted(FAMILIES))}")
     specs = tuple(fn(model, text_config(config)))
     _check_against_mlx(model_type, specs, model)
     if kv_codec in ("q8", "q4"):  # tq*: the model runs native caches, blocks are packed (kvcache/payload_codec.py)

@@ -97,6 +97,16 @@ def test_body_not_an_object():
     assert err.status == 400 and err.param is None and "JSON object" in err.message
 
 
+def test_a_body_sent_as_another_content_type_is_told_so():
+    """FastAPI parses only a JSON content type: a JSON object sent as text/plain fails as "not an object"."""
+    errors = [{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary"}]
+    err = from_validation_errors(errors, "text/plain")
+    assert (err.status, err.param, err.code) == (400, None, "invalid_content_type")
+    assert err.message == ("The request body must be JSON, sent with Content-Type: application/json "
+                           "(this one was sent as 'text/plain')")
+    assert from_validation_errors(errors, "application/json; charset=utf-8").code != "invalid_content_type"
+
+
 def test_an_empty_body_names_the_model_as_missing():
     err = from_validation_errors([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     assert (err.status, err.param, err.code) == (400, "model", "missing_required_parameter")
