@@ -179,20 +179,26 @@ def cmd_down(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from cluster.fleet.ray_env import connect
+    from cluster.fleet.ray_env import FleetGone, connect
     from cluster.fleet.state import load_state
     from cluster.status import fleet_status
 
-    data_dir = a.data_dir or default_data_dir()
+    data_dir = Path(a.data_dir or default_data_dir()).expanduser()
     state = load_state(data_dir)
-    if state is None or not state.ready:
-        why = f"no fleet is running under {Path(data_dir).expanduser()} (start one with `mlx-fleet up`)"
+
+    def not_running(why: str, out=sys.stdout) -> int:
         if a.json:  # whoever parses it gets JSON either way
-            print(json.dumps({"running": False, "data_dir": str(Path(data_dir).expanduser()), "error": why}))
+            print(json.dumps({"running": False, "data_dir": str(data_dir), "error": why}), file=out, flush=True)
         print(f"mlx-fleet: {why}", file=sys.stderr)
         return 1
+
+    if state is None or not state.ready:
+        return not_running(f"no fleet is running under {data_dir} (start one with `mlx-fleet up`)")
     out = _own_stdout()
-    connect(state)
+    try:
+        connect(state)
+    except FleetGone as e:
+        return not_running(str(e), out)
     status = fleet_status(state.redis_url, state.models, state.data_dir)
     status["running"] = True
     status["endpoint"] = state.http_url

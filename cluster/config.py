@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from cluster.models.catalog import DEFAULT_MODEL
 
@@ -32,7 +32,8 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: an error's text never carries the value (a Redis URL or password may be one)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -45,18 +46,27 @@ class _Config(BaseModel):
 
 
 def first_error(e: ValidationError) -> tuple[str, str]:
-    """(dotted field path, message) of a ValidationError's first error, for a one-line message that names
-    the field; without pydantic's "Value error, " prefix, which says nothing to a user."""
+    """(field path, message) of a ValidationError's first error, for a one-line message that names the
+    field (`models[0].max_context`); without pydantic's "Value error, " prefix, which says nothing to a user."""
     err = e.errors()[0]
-    return ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+    return path, err["msg"].removeprefix("Value error, ")
 
 
 def check_redis_url(v: Optional[str]) -> Optional[str]:
-    """Refuse what redis-py would fail on later, in a replica's log, rather than here by name."""
-    if v is not None and not v.startswith(REDIS_SCHEMES):
-        raise ValueError(f"{v!r} is not a Redis URL: give redis://[:password@]host:port/db, rediss://... (TLS) "
-                         "or unix:///path/to/redis.sock")
+    """Refuse a URL redis-py cannot open here, by the field's name, rather than in every replica's log later.
+    Empty means none (`--redis-url "$UNSET"`). The value is never echoed: it may hold a password."""
+    if v is None or not v.strip():
+        return None
+    if not v.startswith(REDIS_SCHEMES):
+        scheme = v.split("://", 1)[0] + "://" if "://" in v else ""
+        said = f"this one starts with {scheme!r}" if scheme else "this one has no scheme"
+        raise ValueError(f"a Redis URL starts with redis:// (redis://[:password@]host:port/db), rediss:// (TLS) "
+                         f"or unix:// (a socket path); {said}")
     return v
+
+
+RedisURL = Annotated[Optional[str], AfterValidator(check_redis_url)]
 
 
 class CacheConfig(_Config):
@@ -228,7 +238,7 @@ class AppConfig(_Config):
         default_factory=lambda: [ModelSpec(name=DEFAULT_MODEL, source=DEFAULT_MODEL)],
         min_length=1, description="The models to serve, one deployment each.",
     )
-    redis_url: Optional[str] = Field(None, description="The shared Redis (index and node leases), e.g. redis://10.0.0.1:6379/0. None disables fleet-wide features.")
+    redis_url: RedisURL = Field(None, description="The shared Redis (index and node leases), e.g. redis://10.0.0.1:6379/0. None disables fleet-wide features.")
     data_dir: str = Field(
         "~/.mlx-fleet",
         description="Base directory for built models and block stores. Each node uses <data_dir>/<node-id>/ unless its Ray node was started with MLX_FLEET_NODE_DATA_DIR.",
@@ -249,10 +259,6 @@ class AppConfig(_Config):
                              "(on the command line, --model NAME=SOURCE)")
         return models
 
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, v: Optional[str]) -> Optional[str]:
-        return check_redis_url(v)
 
 
 class FleetConfig(_Config):
@@ -261,13 +267,8 @@ class FleetConfig(_Config):
     nodes: int = Field(1, ge=1, le=32, description="Ray nodes to start on this machine, each with its own node id, data dir and one replica per model.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI endpoint.")
     host: str = Field("127.0.0.1", description="Address the HTTP endpoint binds. Loopback by default; 0.0.0.0 exposes it to the network.")
-    redis_url: Optional[str] = Field(None, description="Use this Redis instead of starting one under the data dir.")
+    redis_url: RedisURL = Field(None, description="Use this Redis instead of starting one under the data dir.")
     data_dir: Path = Field(default_factory=default_data_dir, description="Fleet state: pids, ports, logs, Redis, node dirs, built models.")
     dashboard: bool = Field(True, description="Start the Ray dashboard on the head node.")
     foreground: bool = Field(False, description="Stay attached and stop the fleet on Ctrl-C.")
     app: AppConfig = Field(default_factory=AppConfig, description="The Serve application to deploy.")
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, v: Optional[str]) -> Optional[str]:
-        return check_redis_url(v)

@@ -21,8 +21,9 @@ class _DefaultsShown(argparse.HelpFormatter):
         if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
                 or "default" in text or not action.option_strings:
             return text
-        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
-        return f"{text} (default: {default})".lstrip()
+        if isinstance(action.default, list):  # nargs="+": shown as it is typed
+            return f"{text} (default: {' '.join(map(str, action.default)).replace('%', '%%')})".lstrip()
+        return f"{text} (default: %(default)s)".lstrip()
 
 
 def parser(description: str, module: str = "") -> argparse.ArgumentParser:

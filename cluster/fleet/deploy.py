@@ -52,11 +52,12 @@ def load_serve_file(path: Path) -> dict:
     if unknown:
         raise DeployError(f"{path}: {unknown}")
     for i, app in enumerate(raw["applications"]):
-        where = app.get("import_path")
-        if where != APP_IMPORT_PATH and where.partition(":")[0].split(".")[0] == "cluster":
+        where = app.get("import_path", "")
+        ours = where.replace(":", ".") == APP_IMPORT_PATH.replace(":", ".")  # Ray takes module.attr as module:attr
+        if not ours and where.startswith("cluster.actors."):
             raise DeployError(f"{path}: applications[{i}].import_path: {where!r} is not mlx-fleet's application; "
                               f"did you mean {APP_IMPORT_PATH}?")
-        if where != APP_IMPORT_PATH:
+        if not ours:
             continue
         try:
             AppConfig.model_validate(app.get("args") or {})
@@ -70,8 +71,11 @@ def load_serve_file(path: Path) -> dict:
 def unknown_key(schema, data, where: str = "") -> str:
     """The first key of `data` that `schema` (one of Ray's pydantic Serve schemas) has no field for, named by
     its path with the closest field names, or "". Serve drops such keys without a word: `htp_options:` would
-    deploy on the default port, and the dashboard would show nothing wrong."""
+    deploy on the default port, and the dashboard would show nothing wrong. The schema is this machine's
+    Ray's, pinned to the fleet's (pyproject.toml), so the message says which Ray it speaks for."""
     import difflib
+
+    import ray
 
     if not isinstance(data, dict):
         return ""
@@ -80,30 +84,33 @@ def unknown_key(schema, data, where: str = "") -> str:
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
             near = difflib.get_close_matches(str(key), fields, n=3)
-            hint = f"; did you mean {' or '.join(near)}?" if near else f"; {schema.__name__} takes {', '.join(fields)}"
-            return f"{path}: Serve has no such setting{hint}"
-        for inner, items in _nested(fields[key].annotation, value, path):
-            for item_path, item in items:
-                found = unknown_key(inner, item, item_path)
-                if found:
-                    return found
+            hint = f"did you mean {' or '.join(near)}?" if near else f"here it takes {', '.join(fields)}"
+            return f"{path}: Ray {ray.__version__}'s Serve has no such setting; {hint}"
+        for inner, item_path, item in _models_in(fields[key].annotation, value, path):
+            found = unknown_key(inner, item, item_path)
+            if found:
+                return found
     return ""
 
 
-def _nested(annotation, value, path: str):
-    """The pydantic models inside a field's type (a model, Optional[model], List[model]) with the parts of
-    `value` each one checks, as (model, [(path, part)])."""
+def _models_in(annotation, value, path: str):
+    """(pydantic model, path, part of `value`) for each model a field's type holds: the type itself, each
+    item of a list, or an alternative of an Optional/Union (next to a plain dict, which is not walked:
+    Ray leaves a dict open)."""
+    import types
     import typing
 
     from pydantic import BaseModel
 
-    for t in (annotation, *typing.get_args(annotation)):
-        if isinstance(t, type) and issubclass(t, BaseModel):
-            yield t, [(path, value)]
-        elif typing.get_origin(t) is list and isinstance(value, list):
-            for inner in typing.get_args(t):
-                if isinstance(inner, type) and issubclass(inner, BaseModel):
-                    yield inner, [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation, path, value
+    elif typing.get_origin(annotation) is list:
+        (inner,) = typing.get_args(annotation) or (None,)
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            yield from _models_in(inner, item, f"{path}[{i}]")
+    elif typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for inner in typing.get_args(annotation):
+            yield from _models_in(inner, value, path)
 
 
 def dashboard_address(explicit: Optional[str] = None) -> str:

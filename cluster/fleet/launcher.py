@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 from cluster.config import AppConfig, FleetConfig
 from cluster.fleet import lock, processes, ray_env, ray_nodes, redis_server, supervisor
-from cluster.fleet.ports import bind_error, port_is_free
+from cluster.fleet.ports import bind_error, is_listening
 from cluster.fleet.state import FleetState, clear_state, fleet_tag, load_state, ray_temp_dir, save_state
 from cluster.models.resolve import check_source, resolve_model
 
@@ -104,7 +104,7 @@ def _stop(state: FleetState) -> int:
 
 
 def _drain_serve(state: FleetState, timeout_s: float = 60.0) -> None:
-    if not state.ray_address or port_is_free("127.0.0.1", int(state.ray_address.rsplit(":", 1)[1])):
+    if not state.ray_address or not is_listening("127.0.0.1", int(state.ray_address.rsplit(":", 1)[1])):
         return  # no Ray head answering: nothing to drain
 
     def drain():

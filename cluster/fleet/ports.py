@@ -36,3 +36,13 @@ def bind_error(host: str, port: int) -> OSError | None:
         except OSError as e:
             return e
     return None
+
+
+def is_listening(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether a server accepts connections on host:port now. A connect, not a bind: on macOS a bind to
+    127.0.0.1 succeeds next to a server listening on 0.0.0.0, which a bind test would call free."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

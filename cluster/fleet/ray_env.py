@@ -40,6 +40,7 @@ from pathlib import Path
 
 from cluster.actors.loopback import LOOPBACK_ENV
 from cluster.api import proxy_errors
+from cluster.fleet.ports import is_listening
 from cluster.fleet.processes import TAG_ENV
 from cluster.fleet.state import FleetState
 
@@ -49,6 +50,10 @@ TOKEN_FILE = "ray-token"
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
              "RAY_SERVE_PROXY_USE_GRPC": "1"}  # the mode leaves the proxy's hop on Ray actor calls
 CLUSTER_FLAG = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+class FleetGone(RuntimeError):
+    """The fleet's state file is there but its Ray head is not."""
 
 
 def token_path(data_dir: Path | str) -> Path:
@@ -114,5 +119,10 @@ def connect(state: FleetState) -> None:
     import ray
 
     if not ray.is_initialized():
+        if not is_listening("127.0.0.1", int(state.ray_address.rsplit(":", 1)[1])):
+            # ray.init would wait for it for minutes: the fleet was stopped without `down`, or the machine restarted
+            raise FleetGone(f"the fleet under {state.data_dir} is not running: its Ray head "
+                            f"({state.ray_address}) does not answer; `mlx-fleet down` clears what is left, "
+                            "`mlx-fleet up` starts it again")
         ray.init(address=driver_address(state), namespace="mlx-fleet", logging_level=logging.WARNING,
                  log_to_driver=False)

@@ -33,8 +33,8 @@ def render(status: dict) -> str:
                   f"  reuse {reuse} of prompt tokens (fetched from peers: {fleet.get('fetched_tokens', 0)} tokens), "
                   f"routes: {routes}",
                   f"  migrated {fleet.get('migrated_blocks', 0)} blocks {fleet.get('migrated_bytes', 0) / 2**20:.1f} MiB"
-                  f" ({fleet.get('migration_failures', 0)} failed), index {entries} entries (a block once per node and "
-                  f"tier holding it), lookup p50 "
+                  f" ({fleet.get('migration_failures', 0)} failed), index {entries} entries (a block or checkpoint "
+                  f"once per node and tier holding it), lookup p50 "
                   f"{fleet.get('lookup_ms_p50') or '-'} ms p99 {fleet.get('lookup_ms_p99') or '-'} ms"]
     lines += ["", "models:"]
     for m in status["models"]:

@@ -1,11 +1,5 @@
 """`mlx-fleet status` as text: what each replica line says its numbers count."""
 
-import json
-import subprocess
-import sys
-
-import pytest
-
 from cluster.fleet.status_text import render
 
 
@@ -57,14 +51,4 @@ def test_tier_lines_say_what_their_counters_count():
     assert lines[lines.index("replicas:") + 3] == (
         "      cache ab12cd34 B=64: ram 9 blocks 3.0/2048 MiB, served 12 blocks, 2 not in RAM, evictions 0, "
         "stored 9 blocks 0 checkpoints, corrupt 0, spill queued 0 spilled 9 dropped 0")
-    assert "index 18 entries (a block once per node and tier holding it)" in lines[lines.index("fleet:") + 2]
-
-
-@pytest.mark.parametrize("json_flag", [False, True])
-def test_status_of_a_stopped_fleet_says_so_and_exits_1(tmp_path, json_flag):
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--data-dir", str(tmp_path)]
-                       + (["--json"] if json_flag else []), capture_output=True, text=True, timeout=60)
-    why = f"no fleet is running under {tmp_path} (start one with `mlx-fleet up`)"
-    assert r.returncode == 1 and r.stderr == f"mlx-fleet: {why}\n"
-    assert (json.loads(r.stdout) if json_flag else r.stdout) == (
-        {"running": False, "data_dir": str(tmp_path), "error": why} if json_flag else "")
+    assert "index 18 entries (a block or checkpoint once per node and tier holding it)" in lines[lines.index("fleet:") + 2]

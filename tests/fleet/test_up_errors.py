@@ -67,7 +67,7 @@ def test_unreachable_redis(tmp_path):
 @pytest.mark.parametrize("args,line", [
     (["--nodes", "0"], "mlx-fleet: invalid nodes: Input should be greater than or equal to 1"),
     (["--block-tokens", "7"], "mlx-fleet: invalid block_tokens: Input should be greater than or equal to 16"),
-    (["--redis-url", "http://127.0.0.1:6379"], "mlx-fleet: invalid redis_url: 'http://127.0.0.1:6379' is not a Redis URL"),
+    (["--redis-url", "http://127.0.0.1:6379"], "mlx-fleet: invalid redis_url: a Redis URL starts with redis://"),
 ])
 def test_config_errors_name_the_field(tmp_path, args, line):
     r = up(tmp_path, *args)
