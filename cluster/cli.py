@@ -31,16 +31,19 @@ def _parser() -> argparse.ArgumentParser:
                     help="built-in name, model directory or Hugging Face repo id; repeat to serve several (default tiny-dense)")
     up.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--redis-url", default=None,
+                    help="use this Redis (redis://, rediss:// or unix://) instead of starting one (default: its own, "
+                         "under the data dir; an empty value means that too)")
     up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block, 16-256 (default 64)")
     up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4", "tq8", "tq4", "tq3", "tq2"],
-                    help="how K/V are kept: native (exact), q8/q4 (mlx's quantized cache), tq8..tq2 (TurboQuant-packed in the tiers and between nodes)")
+                    help="how K/V are kept: native (exact, the default), q8/q4 (mlx's quantized cache), tq8..tq2 (TurboQuant-packed in the tiers and between nodes)")
     up.add_argument("--cache-ram-gb", type=float, default=None, help="RAM tier budget per replica in GiB (default 2)")
     up.add_argument("--cache-disk-gb", type=float, default=None,
                     help="disk tier budget per node in GiB (default: half the free space, at most 100)")
     up.add_argument("--no-disk-cache", action="store_true", help="keep blocks in RAM only")
     up.add_argument("--no-cache", action="store_true", help="disable KV block reuse")
-    up.add_argument("--max-context", type=int, default=None, help="override every model's context window")
+    up.add_argument("--max-context", type=int, default=None,
+                    help="override every model's context window in tokens (default: each model's own)")
     up.add_argument("--no-batching", action="store_true",
                     help="decode each replica's sequences in turns, one token each, instead of in one batch")
     up.add_argument("--decode-concurrency", type=int, default=None,
@@ -139,7 +142,6 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     cfg = _fleet_config(a)
     t0 = time.monotonic()
-    print(f"mlx-fleet: starting {cfg.nodes} node(s) under {cfg.data_dir}")
     state = up(cfg)
     model = cfg.app.models[0].name
     print(f"\nmlx-fleet is up in {time.monotonic() - t0:.1f}s: {cfg.nodes} node(s), model(s) {', '.join(state.models)}")
@@ -171,10 +173,18 @@ def _stay_attached(data_dir: Path) -> int:
 def cmd_down(a: argparse.Namespace) -> int:
     from cluster.fleet.launcher import down
 
-    data_dir = a.data_dir or default_data_dir()
+    from cluster.fleet.state import load_state
+
+    data_dir = Path(a.data_dir or default_data_dir()).expanduser()
+    recorded = load_state(data_dir) is not None
     n = down(data_dir)
-    print(f"mlx-fleet: stopped {n} process(es) under {Path(data_dir).expanduser()}" if n
-          else f"mlx-fleet: nothing running under {Path(data_dir).expanduser()}")
+    if n:
+        print(f"mlx-fleet: stopped {n} process(es) under {data_dir}")
+    elif recorded:
+        print(f"mlx-fleet: nothing was running under {data_dir}; cleared the record of a fleet stopped without "
+              "`down` (after a reboot, say)")
+    else:
+        print(f"mlx-fleet: nothing running under {data_dir}")
     return 0
 
 
@@ -192,13 +202,15 @@ def cmd_status(a: argparse.Namespace) -> int:
         print(f"mlx-fleet: {why}", file=sys.stderr)
         return 1
 
+    flag = f" --data-dir {shlex.quote(str(data_dir))}" if a.data_dir else ""
     if state is None or not state.ready:
-        return not_running(f"no fleet is running under {data_dir} (start one with `mlx-fleet up`)")
+        return not_running(f"no fleet is running under {data_dir} (start one with `{_this_command()} up{flag}`)")
     out = _own_stdout()
     try:
         connect(state)
     except FleetGone as e:
-        return not_running(str(e), out)
+        return not_running(f"{e}; `{_this_command()} down{flag}` clears what is left, `{_this_command()} up{flag}` "
+                           "starts it again", out)
     status = fleet_status(state.redis_url, state.models, state.data_dir)
     status["running"] = True
     status["endpoint"] = state.http_url
@@ -245,11 +257,25 @@ def cmd_deploy(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from cluster.bench import BENCHMARKS, run_benchmark
 
-    if a.name is None:  # argparse would call the optional REMAINDER "required" too
-        print(f"mlx-fleet bench: name a benchmark: {', '.join(sorted(BENCHMARKS))} (`mlx-fleet bench <name> -h`)",
+    if a.name is None or a.name not in BENCHMARKS:  # argparse would call the optional REMAINDER "required" too
+        said = "name a benchmark" if a.name is None else f"no benchmark is called {a.name!r}; choose one of"
+        print(f"mlx-fleet bench: {said}: {', '.join(sorted(BENCHMARKS))} (`mlx-fleet bench <name> -h`)",
               file=sys.stderr)
         return 2
     return run_benchmark(a.name, a.rest)
+
+
+# (config model, field) -> the `up` flag that sets it: a flag's mistake is told by the flag the user typed.
+UP_FLAGS = {("FleetConfig", "nodes"): "--nodes", ("FleetConfig", "port"): "--port", ("FleetConfig", "host"): "--host",
+            ("FleetConfig", "redis_url"): "--redis-url", ("AppConfig", "redis_url"): "--redis-url",
+            ("AppConfig", "models"): "--model", ("ModelSpec", "name"): "--model", ("ModelSpec", "source"): "--model",
+            ("ModelSpec", "max_context"): "--max-context", ("ModelSpec", "decode_concurrency"): "--decode-concurrency",
+            ("ModelSpec", "prefill_concurrency"): "--prefill-concurrency",
+            ("ModelSpec", "stream_interval_s"): "--stream-interval",
+            ("ModelSpec", "stream_messages_per_s"): "--stream-messages",
+            ("CacheConfig", "block_tokens"): "--block-tokens (16-256, default 64)",
+            ("CacheConfig", "ram_bytes"): "--cache-ram-gb", ("CacheConfig", "disk_bytes"): "--cache-disk-gb",
+            ("GatewayConfig", "replicas"): "--gateways", ("GatewayConfig", "assign_timeout_s"): "--assign-timeout"}
 
 
 COMMANDS = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "models": cmd_models, "deploy": cmd_deploy,
@@ -268,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ValidationError as e:
         field, msg = first_error(e)
-        print(f"mlx-fleet: invalid {field or 'config'}: {msg}", file=sys.stderr)
+        flag = UP_FLAGS.get((e.title, field.split("[")[0])) if args.command == "up" else None
+        print(f"mlx-fleet: {flag}: {msg}" if flag else f"mlx-fleet: invalid {field or 'config'}: {msg}", file=sys.stderr)
         return 2
     except (ValueError, RuntimeError) as e:
         print(f"mlx-fleet: {e}", file=sys.stderr)

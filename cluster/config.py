@@ -9,10 +9,11 @@ not a silently ignored setting.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -41,16 +42,36 @@ class _Config(BaseModel):
         """pydantic reads `true` as 1 for an int or float: `ram_bytes: true` in YAML would be a 1-byte tier."""
         if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in (int, float, Optional[int],
                                                                                      Optional[float]):
-            raise ValueError(f"{v!r} is a boolean; give a number")
+            raise ValueError(f"{str(v).lower()} is a boolean; give a number")
         return v
 
 
-def first_error(e: ValidationError) -> tuple[str, str]:
+def first_error(e: ValidationError, root: Optional[type[BaseModel]] = None) -> tuple[str, str]:
     """(field path, message) of a ValidationError's first error, for a one-line message that names the
-    field (`models[0].max_context`); without pydantic's "Value error, " prefix, which says nothing to a user."""
+    field (`models[0].max_context`); without pydantic's "Value error, " prefix, which says nothing to a user.
+    Given the model validated (`root`), an unknown key gets the closest field names of its place."""
     err = e.errors()[0]
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
-    return path, err["msg"].removeprefix("Value error, ")
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden" and root is not None:
+        fields = _model_at(root, err["loc"][:-1]).model_fields
+        near = difflib.get_close_matches(str(err["loc"][-1]), fields, n=3)
+        msg = f"no such setting; did you mean {' or '.join(near)}?" if near else f"no such setting; here: {', '.join(fields)}"
+    return path, msg
+
+
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel]:
+    """The config model at `loc` under `root` (`("models", 0)` -> ModelSpec)."""
+    model = root
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[part].annotation
+        inner = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not inner:
+            break
+        model = inner[0]
+    return model
 
 
 def check_redis_url(v: Optional[str]) -> Optional[str]:
@@ -59,8 +80,9 @@ def check_redis_url(v: Optional[str]) -> Optional[str]:
     if v is None or not v.strip():
         return None
     if not v.startswith(REDIS_SCHEMES):
-        scheme = v.split("://", 1)[0] + "://" if "://" in v else ""
-        said = f"this one starts with {scheme!r}" if scheme else "this one has no scheme"
+        typo = re.match(r"(rediss?|unix):/?(?!/)", v)
+        said = (f"this one starts with {v.split('://', 1)[0] + '://'!r}" if "://" in v
+                else f"this one needs // after {typo.group(1)}:" if typo else "this one has no scheme")
         raise ValueError(f"a Redis URL starts with redis:// (redis://[:password@]host:port/db), rediss:// (TLS) "
                          f"or unix:// (a socket path); {said}")
     return v

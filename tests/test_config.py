@@ -47,8 +47,17 @@ def test_a_boolean_is_not_a_number(cls, field):
     data = {"name": "m", "source": "tiny-dense"} if cls is ModelSpec else {}
     with pytest.raises(ValidationError) as e:
         cls.model_validate({**data, field: True})
-    assert first_error(e.value) == (field, "True is a boolean; give a number")
+    assert first_error(e.value) == (field, "true is a boolean; give a number")
     assert CacheConfig.model_validate({"enabled": False}).enabled is False  # booleans stay booleans
+
+
+def test_an_unknown_key_gets_the_closest_field_of_its_place():
+    for data, where, hint in (({"cache": {"block_token": 64}}, "cache.block_token", "did you mean block_tokens?"),
+                              ({"models": [{"name": "m", "source": "s", "max_contxt": 9}]}, "models[0].max_contxt",
+                               "did you mean max_context?")):
+        with pytest.raises(ValidationError) as e:
+            AppConfig.model_validate(data)
+        assert first_error(e.value, AppConfig) == (where, f"no such setting; {hint}")
 
 
 def test_errors_name_list_items_by_index():
@@ -60,7 +69,8 @@ def test_errors_name_list_items_by_index():
 @pytest.mark.parametrize("cls", [AppConfig, FleetConfig])
 def test_a_redis_url_must_be_one_and_is_not_echoed(cls):
     for url, said in (("http://u:s3cret@10.0.0.1:6379", "this one starts with 'http://'"),
-                      ("redis:/:s3cret@10.0.0.1:6380/0", "this one has no scheme")):
+                      ("redis:/:s3cret@10.0.0.1:6380/0", "this one needs // after redis:"),
+                      ("10.0.0.1:6379", "this one has no scheme")):
         with pytest.raises(ValidationError) as e:
             cls.model_validate({"redis_url": url})
         field, msg = first_error(e.value)

@@ -254,7 +254,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="tiny-dense", help="the model both servers serve")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="requests at once, one run per value")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="short: the round is mostly decode")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="tokens of each request's prompt; short, so a round is mostly decode")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens each request generates")
     p.add_argument("--no-http", action="store_true", help="skip the HTTP comparison with mlx_lm.server")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine comparison")

@@ -31,7 +31,7 @@ def parser(description: str, module: str = "") -> argparse.ArgumentParser:
     prog = f"mlx-fleet bench {module.rsplit('.', 1)[-1]}" if module else None
     p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=_DefaultsShown)
     p.add_argument("--data-dir", type=Path, default=default_data_dir(), help="where built-in models are built")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here as JSON")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results here as JSON")
     return p
 
 

@@ -37,13 +37,14 @@ def load_serve_file(path: Path) -> dict:
     from ray.serve.schema import ServeDeploySchema
 
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        with open(path, encoding="utf-8") as f:  # a stream: YAML's errors then name the file, not "<unicode string>"
+            raw = yaml.load(f, Loader=_UniqueKeyLoader)
     except OSError as e:
         raise DeployError(f"cannot read {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise DeployError(f"{path} is not valid YAML: {e}") from None
+        raise DeployError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(raw, dict) or not raw.get("applications"):
-        raise DeployError(f"{path}: no `applications` list; see deploy/serve.yaml for the shape")
+        raise DeployError(f"{path}: `applications` is missing or empty; see deploy/serve.yaml for the shape")
     try:
         ServeDeploySchema.parse_obj(raw)
     except Exception as e:  # Ray's pydantic error: its text names the field
@@ -62,10 +63,25 @@ def load_serve_file(path: Path) -> dict:
         try:
             AppConfig.model_validate(app.get("args") or {})
         except ValidationError as e:
-            field, msg = first_error(e)
+            field, msg = first_error(e, AppConfig)
             raise DeployError(f"{path}: applications[{i}].args.{field}: {msg} "
                               f"(the fields and what they mean: cluster/config.py, or `mlx-fleet up --help`)") from None
     return raw
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: PyYAML (and so Serve)
+    keeps the last one without a word, so the first `data_dir:` of two would be lost."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def unknown_key(schema, data, where: str = "") -> str:

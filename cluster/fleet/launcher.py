@@ -62,6 +62,7 @@ def up(cfg: FleetConfig, out: Callable[[str], None] = print) -> FleetState:
     try:
         clear_state(data_dir)  # we hold the lock: any state file is a dead fleet's
         _preflight(cfg)
+        out(f"mlx-fleet: starting {cfg.nodes} node(s) under {data_dir}")
         state = FleetState(data_dir=str(data_dir), tag=fleet_tag(data_dir),
                            ray_temp_dir=str(ray_temp_dir(data_dir)), models=[m.name for m in cfg.app.models],
                            started=time.time())

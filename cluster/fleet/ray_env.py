@@ -122,7 +122,6 @@ def connect(state: FleetState) -> None:
         if not is_listening("127.0.0.1", int(state.ray_address.rsplit(":", 1)[1])):
             # ray.init would wait for it for minutes: the fleet was stopped without `down`, or the machine restarted
             raise FleetGone(f"the fleet under {state.data_dir} is not running: its Ray head "
-                            f"({state.ray_address}) does not answer; `mlx-fleet down` clears what is left, "
-                            "`mlx-fleet up` starts it again")
+                            f"({state.ray_address}) does not answer")
         ray.init(address=driver_address(state), namespace="mlx-fleet", logging_level=logging.WARNING,
                  log_to_driver=False)

@@ -19,7 +19,7 @@ def render(status: dict) -> str:
         # The counters are the replica process's own: a restarted replica starts them again (the disk and the
         # fleet's route counters keep theirs), so say since when they count.
         lines.append(f"  {r['model']:<20} on {r['node_id']:<22} active={r.get('active', 0):<3} "
-                     f"requests={r.get('requests', 0):<6} prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
+                     f"requests={r.get('requests', 0):<6} tokens: prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
                      f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)} "
                      f"(since it started {_age(r)} ago)")
         lines.append("      " + _batch_line(r))
@@ -80,7 +80,7 @@ def _cache_line(cache: dict) -> str:
     spill = cache.get("spill")
     spill_text = (f", spill queued {spill['queued']} spilled {spill['spilled']} dropped {spill['dropped_spills']}"
                   if spill else ", disk off")
-    return (f"cache {cache['namespace']} B={cache['block_tokens']}: ram {ram['blocks']} blocks "
+    return (f"cache {cache['namespace']}, {cache['block_tokens']}-token blocks: ram {ram['blocks']} blocks "
             f"{ram['bytes'] / 2**20:.1f}/{ram['budget'] / 2**20:.0f} MiB, served {ram['hits']} blocks, {ram['misses']} "
             f"not in RAM, evictions {ram['evictions']}, stored {cache['blocks_stored']} blocks "
             f"{cache['checkpoints_stored']} checkpoints, corrupt {bad or 0}{spill_text}")

@@ -9,6 +9,7 @@ Three kinds of source, tried in this order:
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -68,10 +69,11 @@ def check_source(source: str) -> str:
         return "local"
     if _REPO_RE.match(source) and not source.startswith((".", "/", "~")):
         return "hub"
-    names = ", ".join(n for n, m in BUILTINS.items() if m.listed)
-    raise ModelNotFound(
-        f"model {source!r} is not a built-in model ({names}), not an existing directory, and not a Hugging Face repo id (owner/name)"
-    )
+    listed = [n for n, m in BUILTINS.items() if m.listed]
+    near = difflib.get_close_matches(source, listed, n=1)
+    hint = f"; did you mean {near[0]}?" if near else ""
+    raise ModelNotFound(f"model {source!r} is not a built-in model ({', '.join(listed)}), not an existing directory, "
+                        f"and not a Hugging Face repo id (owner/name){hint}")
 
 
 def _local_or_hub(source: str, download) -> Path:

@@ -28,7 +28,7 @@ def test_the_shipped_file_loads():
 
 
 @pytest.mark.parametrize("change, named", [
-    (lambda d: d["applications"][0]["args"]["cache"].update(blok_tokens=64), "applications[0].args.cache.blok_tokens"),
+    (lambda d: d["applications"][0]["args"]["cache"].update(blok_tokens=64), "applications[0].args.cache.blok_tokens: no such setting; did you mean block_tokens?"),
     (lambda d: d["applications"][0]["args"]["models"][0].update(max_ongoing_requests="many"),
      "applications[0].args.models[0].max_ongoing_requests"),
     (lambda d: d["applications"][0].pop("import_path"), "import_path"),
@@ -60,6 +60,25 @@ def test_other_applications_pass_as_they_are(tmp_path):
         {"name": "other", "route_prefix": "/other", "import_path": "their_app.main:app", "args": {"anything": 1}},
         {"name": "theirs", "route_prefix": "/theirs", "import_path": "cluster.main:app"}]))
     assert [a["name"] for a in load_serve_file(path)["applications"]] == ["mlx-fleet", "other", "theirs"]
+
+
+def test_a_key_given_twice_is_named_with_its_line(tmp_path):
+    """PyYAML, and so Serve, would keep the second and drop the first without a word."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(SERVE_FILE.read_text().replace("      data_dir: ~/.mlx-fleet\n",
+                                                   "      data_dir: ~/.mlx-fleet\n      data_dir: /Volumes/ssd\n"))
+    with pytest.raises(DeployError) as e:
+        load_serve_file(path)
+    line = SERVE_FILE.read_text().splitlines().index("      data_dir: ~/.mlx-fleet") + 2
+    assert str(e.value) == (f"{path} is not valid YAML: 'data_dir' is given twice in one mapping in \"{path}\", "
+                            f"line {line}, column 7")
+
+
+def test_an_empty_application_list_is_named(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("applications: []\n")
+    with pytest.raises(DeployError, match=re.escape("`applications` is missing or empty")):
+        load_serve_file(path)
 
 
 def test_our_app_by_its_dotted_path_is_ours_and_checked(tmp_path):

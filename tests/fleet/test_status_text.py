@@ -21,7 +21,7 @@ def status(*replicas: dict) -> dict:
 def test_a_replica_line_says_since_when_its_counters_count():
     lines = render(status(replica())).splitlines()
     i = lines.index("replicas:")
-    assert lines[i + 1] == ("  tiny-dense           on node-0-1a2b3c4d        active=1   requests=7      prompt=400      "
+    assert lines[i + 1] == ("  tiny-dense           on node-0-1a2b3c4d        active=1   requests=7      tokens: prompt=400      "
                             "cached=100      reuse=25%   completion=56 (since it started 3m05s ago)")
     assert lines[i + 2] == ("      batching: up to 32 decoding, 8 prefilling, mean batch 1.5 over 20 steps; decoding 2, "
                             "waiting 1, 33 prompt tokens to prefill, 3 in flight")
@@ -49,6 +49,6 @@ def test_tier_lines_say_what_their_counters_count():
     assert lines[lines.index("nodes:") + 2] == ("      disk: 9 blocks 3.0 MiB of 4.0 GiB, served 2 blocks, 1 not on disk, "
                                                 "evictions 0, quarantined 0, dropped spills 0")
     assert lines[lines.index("replicas:") + 3] == (
-        "      cache ab12cd34 B=64: ram 9 blocks 3.0/2048 MiB, served 12 blocks, 2 not in RAM, evictions 0, "
+        "      cache ab12cd34, 64-token blocks: ram 9 blocks 3.0/2048 MiB, served 12 blocks, 2 not in RAM, evictions 0, "
         "stored 9 blocks 0 checkpoints, corrupt 0, spill queued 0 spilled 9 dropped 0")
     assert "index 18 entries (a block or checkpoint once per node and tier holding it)" in lines[lines.index("fleet:") + 2]

@@ -47,7 +47,8 @@ def test_a_bad_model_is_named_before_a_taken_port(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         r = up(tmp_path, "--port", str(s.getsockname()[1]), "--model", "tiny-dens")
-    assert_clean_failure(r, tmp_path, "'tiny-dens' is not a built-in model")
+    assert_clean_failure(r, tmp_path, "'tiny-dens' is not a built-in model", "did you mean tiny-dense?")
+    assert "starting" not in r.stdout  # nothing was
 
 
 def test_an_address_this_machine_lacks_is_not_called_a_port_in_use(tmp_path):
@@ -65,9 +66,11 @@ def test_unreachable_redis(tmp_path):
 
 
 @pytest.mark.parametrize("args,line", [
-    (["--nodes", "0"], "mlx-fleet: invalid nodes: Input should be greater than or equal to 1"),
-    (["--block-tokens", "7"], "mlx-fleet: invalid block_tokens: Input should be greater than or equal to 16"),
-    (["--redis-url", "http://127.0.0.1:6379"], "mlx-fleet: invalid redis_url: a Redis URL starts with redis://"),
+    (["--nodes", "0"], "mlx-fleet: --nodes: Input should be greater than or equal to 1"),
+    (["--block-tokens", "7"], "mlx-fleet: --block-tokens (16-256, default 64): Input should be greater than or equal to 16"),
+    (["--cache-ram-gb", "-1"], "mlx-fleet: --cache-ram-gb: Input should be greater than or equal to 0"),
+    (["--gateways", "0"], "mlx-fleet: --gateways: Input should be greater than or equal to 1"),
+    (["--redis-url", "http://127.0.0.1:6379"], "mlx-fleet: --redis-url: a Redis URL starts with redis://"),
 ])
 def test_config_errors_name_the_field(tmp_path, args, line):
     r = up(tmp_path, *args)
