@@ -172,7 +172,6 @@ def _stay_attached(data_dir: Path) -> int:
 
 def cmd_down(a: argparse.Namespace) -> int:
     from cluster.fleet.launcher import down
-
     from cluster.fleet.state import load_state
 
     data_dir = Path(a.data_dir or default_data_dir()).expanduser()

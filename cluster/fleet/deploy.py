@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlparse
@@ -77,6 +78,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base loader refuses it, with its own message
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice in one mapping",
                                                         key_node.start_mark)
