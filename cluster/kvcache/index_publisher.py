@@ -109,7 +109,8 @@ class IndexPublisher:
                 if now >= next_renew or _load_of(lease) != _load_of(self._last_lease):
                     # Renewed on schedule, and at once when the load changed: routing reads it.
                     self._last_lease = lease
-                    if not self.index.renew(self.ns, self.node, {**lease, "renewed": time.time()}, self.ttl_ms):
+                    if not self.index.renew(self.ns, self.node, {**lease, "renewed": time.time()}, self.ttl_ms,
+                                            existing_only=True):
                         log.info("index lease for %s was gone (Redis restarted or node collected): re-announcing",
                                  self.node)
                         self._announce()

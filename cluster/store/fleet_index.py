@@ -218,10 +218,12 @@ class FleetIndex:
                 pipe.sadd(key, *chunk)
         pipe.execute()
 
-    def renew(self, ns: bytes, node: str, lease: dict, ttl_ms: int) -> bool:
-        """Write the node's lease; True if it was still there (False: Redis lost it - announce again)."""
+    def renew(self, ns: bytes, node: str, lease: dict, ttl_ms: int, existing_only: bool = False) -> bool:
+        """Write the node's lease; True if it was still there (False: Redis lost it - announce again).
+        `existing_only` (the periodic renewal) writes nothing when it is gone: a lease back before the
+        node's blocks would show it live and empty to every lookup until the announce that follows."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(live_key(ns, node), msgpack.packb(lease), px=ttl_ms, get=True)
+        pipe.set(live_key(ns, node), msgpack.packb(lease), px=ttl_ms, get=True, xx=existing_only)
         pipe.sadd(nodes_key(ns), node)
         previous, _ = pipe.execute()
         return previous is not None

@@ -71,7 +71,9 @@ def test_leases_carry_stats_and_tell_when_redis_lost_them(index):
     (h,) = index.lookup(NS, ids(1))
     assert h.lease == {"prefill_tps": 1500.0}
     index.client.flushall()  # Redis restarted empty
-    assert index.renew(NS, "a", {}, 60_000) is False
+    assert index.renew(NS, "a", {}, 60_000, existing_only=True) is False
+    assert index.lookup(NS, ids(1)) == []  # not live again before its blocks are announced
+    assert index.renew(NS, "a", {}, 60_000) is False and [h.node_id for h in index.lookup(NS, ids(1))] == ["a"]
     assert index.next_generation(NS, "a") == 1 and index.next_generation(NS, "a") == 2
 
 
