@@ -43,6 +43,7 @@ class ReadFailure:
     reason: str  # a BlockError reason, or the errno name of a transient error
     detail: str
     bad_content: bool  # True: quarantine the file; False: a miss, the file is left alone
+    file_id: Optional[tuple[int, int]] = None  # (st_dev, st_ino) of the file whose bytes were bad
 
     @property
     def gone(self) -> bool:
@@ -50,13 +51,15 @@ class ReadFailure:
         return self.reason == "ENOENT"
 
 
-def read_file(path: Path | str, size: Optional[int] = None) -> np.ndarray:
-    """Read a whole file into a fresh uint8 array: one copy from the page cache."""
+def read_file(path: Path | str, size: Optional[int] = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """A whole file in a fresh uint8 array (one copy from the page cache), and the file's identity (device,
+    inode): which file was read, should its bytes be refused."""
     with open(path, "rb", buffering=0) as f:
-        n = size if size is not None else os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        n = size if size is not None else st.st_size
         buf = np.empty(n, dtype=np.uint8)
         got = f.readinto(memoryview(buf))
-        return buf[:got] if got != n else buf
+        return (buf[:got] if got != n else buf), (st.st_dev, st.st_ino)
 
 
 def read_verified(loc: Optional[tuple[str, int]], ns: bytes, key: bytes
@@ -67,12 +70,13 @@ def read_verified(loc: Optional[tuple[str, int]], ns: bytes, key: bytes
     (None, None) for a miss (`loc` is None)."""
     if loc is None:
         return None, None
+    file_id = None
     try:
-        data = read_file(loc[0], loc[1])
+        data, file_id = read_file(loc[0], loc[1])
         block_format.verify(data, ns, key, key_of)
         return data, None
     except BlockError as e:
-        return None, ReadFailure(key, e.reason, str(e), bad_content=True)
+        return None, ReadFailure(key, e.reason, str(e), bad_content=True, file_id=file_id)
     except OSError as e:
         name = errno.errorcode.get(e.errno or 0, "EIO")
         return None, ReadFailure(key, name, str(e), bad_content=False)

@@ -243,7 +243,7 @@ class DiskStore:
         for f in failed:
             self.counters["read_errors"] += 1
             if f.bad_content:
-                self.quarantine(ns, f.key, f.reason, f.detail)
+                self.quarantine(ns, f.key, f.reason, f.detail, file_id=f.file_id)
             else:
                 self._transient(ns, f)
 
@@ -272,13 +272,23 @@ class DiskStore:
         return out
 
     # -- quarantine -----------------------------------------------------------------
-    def quarantine(self, ns: bytes, key: bytes, reason: str, detail: str, path: Optional[Path] = None) -> None:
-        """Move a block with bad content out of the tier, as evidence; it is a miss from now on."""
-        e = self.index.remove(key)
-        reason = reason if reason in REASONS else "corrupt"
-        if not self.quarantine_bin.add(path or self.path(ns, key), ns, key, reason, detail, self.clock()):
-            return  # another reader of the same bad block got here first: it is counted once
-        self.counters["quarantined"][reason] += 1
+    def quarantine(self, ns: bytes, key: bytes, reason: str, detail: str, path: Optional[Path] = None,
+                   file_id: Optional[tuple[int, int]] = None) -> None:
+        """Move a block with bad content out of the tier, as evidence; it is a miss from now on.
+
+        With `file_id` (the device and inode the bad bytes were read from), only that file is moved. A
+        reader that read the bad file before another reader's refusal moved it reports late; by then a
+        replica may have spilled a good copy under the same name (its RAM copy was intact), which must
+        stay. Under the write lock, so no spill renames a file into place between the check and the move."""
+        src = path or self.path(ns, key)
+        with self.write_lock:
+            if file_id is not None and _file_id(src) != file_id:
+                return  # that file is gone already (counted once); what is there now is another file
+            e = self.index.remove(key)
+            reason = reason if reason in REASONS else "corrupt"
+            if not self.quarantine_bin.add(src, ns, key, reason, detail, self.clock()):
+                return  # another reader of the same bad block got here first: it is counted once
+            self.counters["quarantined"][reason] += 1
         log.warning("quarantined block %s (%s): %s", key.hex()[:16], reason, detail)
         if e is not None:
             self._emit("evicted", e)
@@ -294,6 +304,14 @@ class DiskStore:
         self.events.append(ev)
         if self.listener is not None:
             self.listener(ev)
+
+
+def _file_id(path: Path) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _utime(path: Path, t: float) -> None:

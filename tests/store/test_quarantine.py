@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from cluster.store import quarantine as quarantine_mod
+from cluster.store.block_files import read_verified
 from cluster.store.disk_tier import DiskStore
 from tests.store.blocks import NS, chain
 
@@ -112,8 +113,27 @@ def test_a_block_already_quarantined_by_another_reader_is_counted_once(tmp_path)
     located = [s.open_read(NS, [blocks[0][1]]) for _ in range(2)]  # two readers pin it before either reads
     assert all(loc[0] for loc in located)
     for _ in range(2):
-        s.close_read(NS, [blocks[0][1]], [], [__import__("cluster.store.block_files", fromlist=["x"]).read_verified(
-            located[0][0], NS, blocks[0][1])[1]])
+        s.close_read(NS, [blocks[0][1]], [], [read_verified(located[0][0], NS, blocks[0][1])[1]])
+    assert s.stats()["quarantined"]["payload"] == 1 and len(quarantined_files(tmp_path / "node")) == 1
+
+
+def test_a_late_report_of_a_bad_read_leaves_the_good_copy_spilled_since(tmp_path):
+    """Two readers read the bad file; the first one's report moves it, a replica spills its intact RAM copy
+    under the same name, then the second report comes: it names the file it read (by inode), which is gone,
+    so the good copy stays, indexed and readable, and the bad block is counted once."""
+    s = DiskStore(tmp_path / "node", budget=1 << 30)
+    blocks = chain(1)
+    (_, key, _), = blocks
+    s.write_many(blocks)
+    corrupt(s.path(NS, key))
+    located = [s.open_read(NS, [key]) for _ in range(2)]
+    failures = [read_verified(loc[0], NS, key)[1] for loc in located]  # both read the bad bytes
+    assert all(f.bad_content and f.file_id is not None for f in failures)
+    s.close_read(NS, [key], [], [failures[0]])
+    assert key not in s.index and not s.path(NS, key).exists()
+    assert s.write_many(blocks)["written"] == 1  # the good copy, spilled again
+    s.close_read(NS, [key], [], [failures[1]])
+    assert key in s.index and s.read_many(NS, [key])[0] is not None
     assert s.stats()["quarantined"]["payload"] == 1 and len(quarantined_files(tmp_path / "node")) == 1
 
 
