@@ -55,9 +55,14 @@ def first_error(e: ValidationError, root: Optional[type[BaseModel]] = None) -> t
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden" and root is not None:
         fields = _model_at(root, err["loc"][:-1]).model_fields
-        near = difflib.get_close_matches(str(err["loc"][-1]), fields, n=3)
-        msg = f"no such setting; did you mean {' or '.join(near)}?" if near else f"no such setting; here: {', '.join(fields)}"
+        msg = f"no such setting; {did_you_mean(str(err['loc'][-1]), fields) or 'here: ' + ', '.join(fields)}"
     return path, msg
+
+
+def did_you_mean(word: str, choices) -> str:
+    """"did you mean a or b?" with the closest of `choices` to a misspelt key, or "" if none is close."""
+    near = difflib.get_close_matches(word, list(choices), n=3)
+    return f"did you mean {' or '.join(near)}?" if near else ""
 
 
 def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel]:

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from cluster.config import AppConfig, first_error
+from cluster.config import AppConfig, did_you_mean, first_error
 
 APP_IMPORT_PATH = "cluster.actors.app:build_app"
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
@@ -92,8 +92,6 @@ def unknown_key(schema, data, where: str = "") -> str:
     its path with the closest field names, or "". Serve drops such keys without a word: `htp_options:` would
     deploy on the default port, and the dashboard would show nothing wrong. The schema is this machine's
     Ray's, pinned to the fleet's (pyproject.toml), so the message says which Ray it speaks for."""
-    import difflib
-
     import ray
 
     if not isinstance(data, dict):
@@ -102,8 +100,7 @@ def unknown_key(schema, data, where: str = "") -> str:
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
-            near = difflib.get_close_matches(str(key), fields, n=3)
-            hint = f"did you mean {' or '.join(near)}?" if near else f"here it takes {', '.join(fields)}"
+            hint = did_you_mean(str(key), fields) or f"here it takes {', '.join(fields)}"
             return f"{path}: Ray {ray.__version__}'s Serve has no such setting; {hint}"
         for inner, item_path, item in _models_in(fields[key].annotation, value, path):
             found = unknown_key(inner, item, item_path)
