@@ -177,6 +177,13 @@ class _Sampling(OpenAIObject):
             raise ValueError(f"at most {MAX_STOPS} stop sequences")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        # As OpenAI and vLLM answer: include_usage on a non-streamed reply would be silently dropped.
+        if self.stream_options is not None and not self.stream:
+            raise FieldConflict("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()

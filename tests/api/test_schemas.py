@@ -127,3 +127,14 @@ def test_fields_that_disagree_name_the_one_to_fix(extra, param):
     err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, **extra})
     assert (err.status, err.param) == (400, param)
     assert err.message.startswith(f"Invalid value for '{param}': ") and "Value error" not in err.message
+
+
+@pytest.mark.parametrize("cls,body", [(ChatCompletionRequest, {"messages": MSG}), (CompletionRequest, {"prompt": "x"})])
+def test_stream_options_need_stream(cls, body):
+    for stream in ({}, {"stream": False}):
+        err = error_of(cls, {"model": "m", **body, **stream, "stream_options": {"include_usage": True}})
+        assert (err.status, err.param, err.message) == (
+            400, "stream_options", "Invalid value for 'stream_options': stream_options is only allowed when stream is true")
+    ok = cls.model_validate({"model": "m", **body, "stream": True, "stream_options": {"include_usage": True}})
+    assert ok.include_usage()
+    assert not cls.model_validate({"model": "m", **body, "stream_options": None}).include_usage()
