@@ -105,7 +105,7 @@ def _stop(state: FleetState) -> int:
 
 
 def _drain_serve(state: FleetState, timeout_s: float = 60.0) -> None:
-    if not state.ray_address or not is_listening("127.0.0.1", int(state.ray_address.rsplit(":", 1)[1])):
+    if state.ray_port() is None or not is_listening("127.0.0.1", state.ray_port()):
         return  # no Ray head answering: nothing to drain
 
     def drain():

@@ -102,8 +102,9 @@ def worker_env(state: FleetState) -> dict[str, str]:
     return {**base_env(state), CLUSTER_FLAG: "1"}
 
 
-def driver_address(state: FleetState) -> str:
-    return "LOCALHOST:" + state.ray_address.rsplit(":", 1)[1]
+def head_address(state: FleetState) -> str:
+    """How a driver or a worker node on this machine joins the head: by the name LOCALHOST, which Ray leaves as it is (above)."""
+    return f"LOCALHOST:{state.ray_port()}"
 
 
 def prepare_driver(state: FleetState) -> None:
@@ -119,9 +120,9 @@ def connect(state: FleetState) -> None:
     import ray
 
     if not ray.is_initialized():
-        if not is_listening("127.0.0.1", int(state.ray_address.rsplit(":", 1)[1])):
+        if not is_listening("127.0.0.1", state.ray_port()):
             # ray.init would wait for it for minutes: the fleet was stopped without `down`, or the machine restarted
             raise FleetGone(f"the fleet under {state.data_dir} is not running: its Ray head "
                             f"({state.ray_address}) does not answer")
-        ray.init(address=driver_address(state), namespace="mlx-fleet", logging_level=logging.WARNING,
+        ray.init(address=head_address(state), namespace="mlx-fleet", logging_level=logging.WARNING,
                  log_to_driver=False)

@@ -22,7 +22,7 @@ from pathlib import Path
 from cluster.config import NODE_LABEL, NODE_RESOURCE, FleetConfig
 from cluster.fleet import processes
 from cluster.fleet.ports import free_port, port_is_free
-from cluster.fleet.ray_env import head_env, token_path, worker_env
+from cluster.fleet.ray_env import head_address, head_env, token_path, worker_env
 from cluster.fleet.state import FleetState, NodeProcess, save_state
 from cluster.node import NODE_DATA_DIR_ENV, NODE_NAME_ENV
 
@@ -55,7 +55,7 @@ def start_head(cfg: FleetConfig, state: FleetState) -> None:
 
 
 def start_worker(state: FleetState, name: str) -> None:
-    address = "LOCALHOST:" + state.ray_address.rsplit(":", 1)[1]
+    address = head_address(state)
     for attempt in range(ATTEMPTS):
         error = _start(state, name, [f"--address={address}"], worker_env(state))
         if error is None:

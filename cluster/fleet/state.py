@@ -43,6 +43,10 @@ class FleetState(BaseModel):
     started: float = 0.0
     ready: bool = False
 
+    def ray_port(self) -> Optional[int]:
+        """The head's GCS port: what a driver or a worker joins (on LOCALHOST) and what tells a live head from a dead one."""
+        return int(self.ray_address.rsplit(":", 1)[1]) if self.ray_address else None
+
     def session_ids(self) -> list[int]:
         ids = [n.session_id for n in self.nodes]
         if self.supervisor_session_id:
