@@ -213,6 +213,7 @@ def cmd_status(a: argparse.Namespace) -> int:
     status = fleet_status(state.redis_url, state.models, state.data_dir)
     status["running"] = True
     status["endpoint"] = state.http_url
+    status["base_url"] = f"{state.http_url}/v1"  # what an OpenAI client takes, as the text shows it
     status["dashboard"] = state.dashboard_url
     if a.json:
         print(json.dumps(status, indent=2, default=str), file=out, flush=True)

@@ -231,6 +231,7 @@ def test_status_lists_nodes_replicas_and_models(fleet, http):
         assert r["cache"]["enabled"] and r["cache"]["block_tokens"] == 64 and r["cache"]["ram"]["budget"] == 2 << 30
     assert status["models"] == [{"name": MODEL, "replicas": 2, "nodes": ids}, {"name": OTHER, "replicas": 2, "nodes": ids}]
     assert status["replicas_source"] == "leases" and status["redis"]["reachable"]
+    assert (status["running"], status["endpoint"], status["base_url"]) == (True, fleet.url, fleet.url + "/v1")
     assert http.get("/v1/fleet/status").json()["models"] == status["models"]
     text = fleet.cli("status").stdout
     assert ids[0] in text and ids[1] in text and MODEL in text and "cache " in text
