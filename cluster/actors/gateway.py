@@ -56,7 +56,7 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return from_validation_errors(list(exc.errors()), request.headers.get("content-type", "")).response()
+    return from_validation_errors(list(exc.errors()), request.headers.get("content-type")).response()
 
 
 @app.exception_handler(StarletteHTTPException)

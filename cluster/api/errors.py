@@ -65,27 +65,33 @@ _TYPE_TAGS = {"int", "float", "str", "bool", "list", "dict", "none", "json-or-py
 
 
 def _field_path(loc) -> list[str]:
-    """The body path of an error, without pydantic's union-branch tags ('int', 'list[int]', ...)."""
+    """The body path of an error, without pydantic's union-branch tags ('int', 'list[int]', a model's name, ...)."""
     path = []
     for part in loc:
         text = str(part)
         if part == "body" and not path:
             continue
-        if text in _TYPE_TAGS or "[" in text or text.startswith(("function-", "constrained-")):
+        # a model class names its union branch (ToolChoiceFunction); the API's own fields are all snake_case
+        if text in _TYPE_TAGS or "[" in text or text.startswith(("function-", "constrained-")) or text[:1].isupper():
             break
         path.append(text)
     return path
 
 
-def from_validation_errors(errors: list[dict], content_type: str = "") -> APIError:
-    """Turn FastAPI/pydantic validation errors into one 400 naming the first bad field."""
+def from_validation_errors(errors: list[dict], content_type: Optional[str] = "application/json") -> APIError:
+    """Turn FastAPI/pydantic validation errors into one 400 naming the first bad field.
+
+    `content_type` is the request's header, None when it sent none."""
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
-    if tuple(first.get("loc", ())) == ("body",) and content_type and "json" not in content_type.lower():
-        # FastAPI reads only a JSON content type as JSON: any other one makes even a JSON object "not an object"
+    if (tuple(first.get("loc", ())) == ("body",) and first.get("type") != "missing"
+            and (content_type is None or "json" not in content_type.lower())):
+        # FastAPI reads only a JSON content type as JSON: any other one, or none (it refuses to guess, against
+        # cross-site requests a browser may send without one), makes even a JSON object "not an object"
+        sent = "without a Content-Type" if content_type is None else f"as {content_type!r}"
         return bad_request(f"The request body must be JSON, sent with Content-Type: application/json "
-                           f"(this one was sent as {content_type!r})", code="invalid_content_type")
+                           f"(this one was sent {sent})", code="invalid_content_type")
     loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
@@ -100,6 +106,8 @@ def from_validation_errors(errors: list[dict], content_type: str = "") -> APIErr
         return bad_request(f"The request body must be a JSON object with the API's fields: {first.get('msg', '')}")
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
-    message = first.get("msg", "invalid value")
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
+    # A union's branches each report the same field: one problem, told once (the first branch's)
+    others = len({".".join(_field_path(e.get("loc", ()))) for e in errors} - {param})
+    more = f" (and {others} more problem{'s' if others > 1 else ''})" if others else ""
     return bad_request(f"Invalid value for '{param}': {message}{more}", param)

@@ -107,6 +107,30 @@ def test_a_body_sent_as_another_content_type_is_told_so():
     assert from_validation_errors(errors, "application/json; charset=utf-8").code != "invalid_content_type"
 
 
+def test_a_body_sent_without_a_content_type_is_told_so():
+    """FastAPI (strict_content_type) does not guess JSON: a browser's cross-site POST may come without one."""
+    errors = [{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a valid dictionary"}]
+    err = from_validation_errors(errors, None)
+    assert (err.status, err.param, err.code) == (400, None, "invalid_content_type")
+    assert err.message == ("The request body must be JSON, sent with Content-Type: application/json "
+                           "(this one was sent without a Content-Type)")
+    empty = from_validation_errors([{"type": "missing", "loc": ("body",), "msg": "Field required"}], None)
+    assert empty.code == "missing_required_parameter"  # no body at all is told as that, whatever its type
+
+
+def test_a_validator_message_is_shown_without_pydantics_prefix():
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, "n": 2})
+    assert err.message == "Invalid value for 'n': only n=1 is supported"
+
+
+def test_a_union_field_is_one_problem_and_other_fields_are_counted():
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, "tool_choice": "sometimes"})
+    assert (err.param, err.message) == ("tool_choice", "Invalid value for 'tool_choice': Input should be 'none', "
+                                                       "'auto' or 'required'")
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, "tool_choice": "sometimes", "n": 2, "top_p": 9})
+    assert err.message.endswith(" (and 2 more problems)")
+
+
 def test_an_empty_body_names_the_model_as_missing():
     err = from_validation_errors([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
     assert (err.status, err.param, err.code) == (400, "model", "missing_required_parameter")

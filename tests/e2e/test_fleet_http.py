@@ -191,6 +191,9 @@ def test_a_json_body_sent_as_text_is_400_naming_the_content_type(http):
     body = b'{"model": "tiny-dense", "messages": [{"role": "user", "content": "hi"}]}'
     err = error_of(http.post("/v1/chat/completions", content=body, headers={"content-type": "text/plain"}), 400)
     assert err["code"] == "invalid_content_type" and "Content-Type: application/json" in err["message"]
+    err = error_of(http.post("/v1/chat/completions", content=body), 400)  # httpx sends no Content-Type for bytes
+    assert (err["code"], err["message"]) == ("invalid_content_type", "The request body must be JSON, sent with "
+                                             "Content-Type: application/json (this one was sent without a Content-Type)")
 
 
 def test_unknown_model_is_404(http, client):
