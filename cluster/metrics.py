@@ -121,6 +121,13 @@ def inc(name: str, value: float = 1.0, **tags: str) -> None:
         _guarded(lambda: _registry.get(name).inc(value, tags=_str(tags)))
 
 
+def zero(name: str, **tags: str) -> None:
+    """Export a counter's series at 0 before its first event, so that a dashboard shows 0 (no evictions yet),
+    not "No data", which looks like a broken scrape. Ray's `Counter.inc` refuses 0; `_record`, which it
+    calls, takes it."""
+    _guarded(lambda: _registry.get(name)._record(0.0, tags=_str(tags)))
+
+
 def observe(name: str, value: float, **tags: str) -> None:
     _guarded(lambda: _registry.get(name).observe(value, tags=_str(tags)))
 
@@ -142,7 +149,8 @@ def _guarded(record) -> None:
 
 
 class StatsExporter:
-    """Turns running totals into counter increments: each `total` call adds what grew since the last one."""
+    """Turns running totals into counter increments: each `total` call adds what grew since the last one.
+    A total first seen at 0 is exported at 0."""
 
     def __init__(self):
         self._last: dict[tuple, float] = {}
@@ -151,8 +159,12 @@ class StatsExporter:
         if value is None:
             return
         key = (name, tuple(sorted(tags.items())))
-        last = self._last.get(key, 0.0)
+        last = self._last.get(key)
         self._last[key] = value
+        if last is None and value == 0:
+            zero(name, **tags)
+            return
+        last = last or 0.0
         inc(name, value - last if value >= last else value, **tags)  # a total that went down was reset
 
     gauge = staticmethod(set_gauge)

@@ -39,6 +39,8 @@ def ray_nodes() -> list[dict]:
             "ray_node_id": n["NodeID"],
             "alive": bool(n.get("Alive")),
             "address": n.get("NodeManagerAddress"),
+            # where Prometheus scrapes the node: Ray's metrics agent, which serves the fleet's metrics too
+            "metrics_port": n.get("MetricsExportPort"),
         })
     return sorted(nodes, key=lambda d: (not d["alive"], d["name"]))
 

@@ -24,6 +24,15 @@ from cluster.api.keys import ApiKeys
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})
+# The `endpoint` label of the requests metric: a fixed set, so that no client can make new series by asking
+# for new URLs (every model card is one route; any path we do not serve is "other").
+ENDPOINTS = frozenset({"/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/fleet/status"})
+
+
+def endpoint_label(path: str) -> str:
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
 @dataclass
@@ -86,7 +95,7 @@ class FrontDoor:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                metrics.inc("mlx_fleet_requests", model=state.get("model", ""), endpoint=scope.get("path", ""),
+                metrics.inc("mlx_fleet_requests", model=state.get("model", ""), endpoint=endpoint_label(scope.get("path", "")),
                             code=message["status"])
             await send(message)
 

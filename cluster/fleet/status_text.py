@@ -7,8 +7,9 @@ def render(status: dict) -> str:
     lines = [f"endpoint:  {status.get('endpoint')}/v1", f"dashboard: {status.get('dashboard') or '-'}",
              _redis_line(status.get("redis", {})), "", "nodes:"]
     for n in status["nodes"]:
+        metrics = f"  metrics http://{n['address']}:{n['metrics_port']}/metrics" if n.get("metrics_port") else ""
         lines.append(f"  {n['name']:<10} {n.get('node_id') or '-':<22} {'alive' if n['alive'] else 'DEAD ':<6} "
-                     f"{n['address']}")
+                     f"{n['address']}{metrics}")
         lines.append("      " + _disk_line(n.get("disk")))
     lines += ["", "replicas:"]
     if status.get("replicas_source") == "serve":

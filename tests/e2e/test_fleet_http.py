@@ -235,6 +235,7 @@ def test_status_lists_nodes_replicas_and_models(fleet, http):
     assert status["models"] == [{"name": MODEL, "replicas": 2, "nodes": ids}, {"name": OTHER, "replicas": 2, "nodes": ids}]
     assert status["replicas_source"] == "leases" and status["redis"]["reachable"]
     assert (status["running"], status["endpoint"], status["base_url"]) == (True, fleet.url, fleet.url + "/v1")
+    assert [n["metrics_port"] for n in status["nodes"]] == [n.metrics_port for n in fleet.state().nodes]
     assert http.get("/v1/fleet/status").json()["models"] == status["models"]
     text = fleet.cli("status").stdout
     assert ids[0] in text and ids[1] in text and MODEL in text and "cache " in text
@@ -650,6 +651,8 @@ def test_prometheus_shows_the_fleets_metrics_and_they_add_up(fleet, client):
     cached-token counter grew by exactly the cached tokens the clients were told of. On the second model:
     nothing else in this module sends it requests, so nothing else lands in the window."""
     before = scrape(fleet)
+    for path in ("/v1/no-such-path-7f3a", "/v1/models/no-such-model-7f3a"):
+        assert httpx.get(fleet.url + path, timeout=10).status_code == 404
     system = "You are a careful assistant who answers the metrics test. " * 12
     seen_cached, n = 0, 6
     for i in range(n):
@@ -678,6 +681,15 @@ def test_prometheus_shows_the_fleets_metrics_and_they_add_up(fleet, client):
     names = {name for _, name, _ in now}
     assert {"ray_mlx_fleet_cache_blocks", "ray_mlx_fleet_cache_bytes", "ray_mlx_fleet_replica_sequences",
             "ray_mlx_fleet_replica_queued_tokens"} <= names, sorted(names)
+    # counters of events that have not happened are there at 0, not missing
+    assert {"ray_mlx_fleet_cache_evictions_total", "ray_mlx_fleet_cache_dropped_spills_total",
+            "ray_mlx_fleet_cache_quarantined_total", "ray_mlx_fleet_migration_failures_total",
+            "ray_mlx_fleet_redis_errors_total"} <= names, sorted(names)
+    # the endpoint label is one of a fixed set, whatever URLs clients ask for
+    endpoints = {dict(labels)["endpoint"] for _, name, labels in now if name == "ray_mlx_fleet_requests_total"}
+    assert {"other", "/v1/models/{model}", "/v1/chat/completions"} <= endpoints <= {
+        "/health", "/v1/models", "/v1/models/{model}", "/v1/chat/completions", "/v1/completions",
+        "/v1/fleet/status", "other"}, endpoints
     ram = total(now, "ray_mlx_fleet_cache_blocks", model=OTHER, tier="ram")
     disk = total(now, "ray_mlx_fleet_cache_blocks", tier="disk")
     assert ram > 0 and disk >= 0

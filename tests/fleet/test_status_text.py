@@ -43,9 +43,12 @@ def test_tier_lines_say_what_their_counters_count():
     disk = {"blocks": 9, "bytes": 3 << 20, "budget": 4 << 30, "hits": 2, "misses": 1, "evictions": 0,
             "dropped_spills": 0}
     st = status(replica(cache=cache)) | {
-        "nodes": [{"name": "node-0", "node_id": "node-0-1a2b3c4d", "alive": True, "address": "127.0.0.1", "disk": disk}],
+        "nodes": [{"name": "node-0", "node_id": "node-0-1a2b3c4d", "alive": True, "address": "127.0.0.1",
+                   "metrics_port": 8080, "disk": disk}],
         "fleet": {"reuse": 0.25, "routes": {"affinity": 7}, "index_entries": {"ab12cd34": {"node-0-1a2b3c4d": 18}}}}
     lines = render(st).splitlines()
+    assert lines[lines.index("nodes:") + 1] == ("  node-0     node-0-1a2b3c4d        alive  127.0.0.1  "
+                                                "metrics http://127.0.0.1:8080/metrics")
     assert lines[lines.index("nodes:") + 2] == ("      disk: 9 blocks 3.0 MiB of 4.0 GiB, served 2 blocks, 1 not on disk, "
                                                 "evictions 0, quarantined 0, dropped spills 0")
     assert lines[lines.index("replicas:") + 3] == (
