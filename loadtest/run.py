@@ -181,6 +181,16 @@ def _s(v: Optional[float]) -> str:
     return f"{v:.3f}s" if v is not None else "-"
 
 
+FLEET_ONLY = ("nodes", "model", "fleet_arg", "routing")  # what shapes a fleet the runner starts, not one attached
+
+
+def args_record(a: argparse.Namespace) -> dict:
+    """The run's settings for summary.json, as JSON values; never the API key, and with --attach none of the
+    settings of fleets it did not start."""
+    skip = {"api_key", *(FLEET_ONLY if a.attach else ())}
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k not in skip}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     a = parser().parse_args(argv)
     if a.attach:
@@ -201,7 +211,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     runs: dict[str, list[dict]] = {}
-    summary: dict = {"started": t0, "args": {k: str(v) for k, v in vars(a).items() if k != "api_key"}, "runs": {}}
+    summary: dict = {"started": t0, "args": args_record(a), "runs": {}}
     for policy in ([None] if a.attach else a.routing):
         label, records, status = run_policy(a, policy)
         if not records:  # nothing to summarize is a failed run, not an empty success
@@ -209,6 +219,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              + log_errors(a.out / label / "locust.log"))
         runs[label] = records
         summary["runs"][label] = summarize(records)
+        idle = sorted(set(a.workload) - set(summary["runs"][label]["ttft_s_by_workload"]))
+        if idle:
+            print(f"note: [{label}] no request of workload(s) {', '.join(idle)} completed", file=sys.stderr)
         if status is not None:
             summary["runs"][label]["fleet"] = status.get("fleet", {})
     summary["ratios"] = ratios(summary["runs"])

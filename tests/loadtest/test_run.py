@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from loadtest.run import check_target
+from loadtest.run import args_record, check_target, parser
 from loadtest.summary import read_records
 from tests.local_fleet import LocalFleet
 
@@ -90,6 +90,10 @@ def test_the_runner_attached_reports_exact_totals_splits_and_files(fleet, tmp_pa
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["runs"]) == ["affinity"]  # the attached fleet's policy, from x-fleet-route
+    assert (summary["args"]["attach"], summary["args"]["users"], summary["args"]["out"]) == (fleet.url, 4, str(out))
+    assert "nodes" not in summary["args"] and "api_key" not in summary["args"]
+    if len(summary["runs"]["affinity"]["ttft_s_by_workload"]) < 5:  # 4 users, 5 workloads: locust's pick
+        assert "no request of workload(s)" in r.stderr
     run = summary["runs"]["affinity"]
     assert run["requests"] >= 16 and run["failures"] == 0 and run["status_5xx"] == 0
     # 0.3 of the greedy answers, evenly: the 4th, 7th, 10th, 14th (the last may be cut off by the stop)
@@ -115,6 +119,17 @@ def test_the_runner_attached_reports_exact_totals_splits_and_files(fleet, tmp_pa
         with Image.open(out / png) as im:
             assert im.format == "PNG" and im.width > 400
             assert len(im.convert("RGB").getcolors(maxcolors=1 << 16) or range(99)) > 20
+
+
+def test_the_summary_records_settings_as_json_values_never_the_key():
+    a = parser().parse_args(["--routing", "affinity", "pow2", "--users", "5", "--api-key", "sk-secret"])
+    rec = args_record(a)
+    assert (rec["routing"], rec["users"], rec["nodes"], rec["allow_remote"], rec["out"]) == (
+        ["affinity", "pow2"], 5, 2, False, "loadtest-out")
+    assert "api_key" not in rec and "sk-secret" not in json.dumps(rec)
+    attached = args_record(parser().parse_args(["--attach", "http://127.0.0.1:8000"]))
+    assert attached["attach"] == "http://127.0.0.1:8000"
+    assert not {"nodes", "model", "fleet_arg", "routing"} & set(attached)  # the attached fleet's, not ours
 
 
 def test_the_runner_compares_policies_on_fresh_fleets_and_stops_them(tmp_path):
