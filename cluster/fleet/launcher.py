@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from cluster.config import AppConfig, FleetConfig
-from cluster.fleet import lock, processes, ray_env, ray_nodes, redis_server, supervisor
+from cluster.fleet import lock, processes, ray_env, ray_nodes, redis_server, supervisor, temp_dir
 from cluster.fleet.ports import bind_error, is_listening
 from cluster.fleet.state import FleetState, clear_state, fleet_tag, load_state, ray_temp_dir, save_state
 from cluster.models.resolve import check_source, resolve_model
@@ -62,6 +62,10 @@ def up(cfg: FleetConfig, out: Callable[[str], None] = print) -> FleetState:
     try:
         clear_state(data_dir)  # we hold the lock: any state file is a dead fleet's
         _preflight(cfg)
+        try:
+            temp_dir.prepare(data_dir)
+        except temp_dir.TempDirError as e:
+            raise FleetError(str(e)) from None
         out(f"mlx-fleet: starting {cfg.nodes} node(s) under {data_dir}")
         state = FleetState(data_dir=str(data_dir), tag=fleet_tag(data_dir),
                            ray_temp_dir=str(ray_temp_dir(data_dir)), models=[m.name for m in cfg.app.models],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -58,10 +59,20 @@ def fleet_tag(data_dir: Path) -> str:
     return str(Path(data_dir).expanduser().resolve())
 
 
-def ray_temp_dir(data_dir: Path) -> Path:
-    """Short, per-fleet: Ray's unix socket paths must stay under ~100 characters."""
+def temp_root(data_dir: Path) -> Path:
+    """The fleet's private folder for Ray's files (fleet/temp_dir.py), one per data dir.
+
+    Short, because Ray's unix socket paths under it must fit in 104 bytes on macOS. So, as Ray's own
+    default: $RAY_TMPDIR if set, else /tmp on macOS, whose $TMPDIR (/var/folders/...) is too long for
+    them, and $TMPDIR or /tmp on Linux."""
+    base = os.environ.get("RAY_TMPDIR") or ("/tmp" if sys.platform == "darwin" else tempfile.gettempdir())
     digest = hashlib.sha1(fleet_tag(data_dir).encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / f"mlxf-{digest}"
+    return Path(base) / f"mlxf-{digest}"
+
+
+def ray_temp_dir(data_dir: Path) -> Path:
+    """Ray's --temp-dir: inside the private folder, since Ray makes its temp dir writable by every user."""
+    return temp_root(data_dir) / "ray"
 
 
 def state_path(data_dir: Path) -> Path:
