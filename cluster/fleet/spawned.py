@@ -15,14 +15,18 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from cluster.fleet import temp_dir
 from cluster.fleet.ports import free_port
 
 
 class SpawnedFleet:
     def __init__(self, data_dir: Path, nodes: int = 2, models: tuple[str, ...] = ("tiny-dense",),
                  routing: Optional[str] = None, extra: tuple[str, ...] = (), dashboard: bool = False,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, keep_ray_files: bool = False):
+        """`keep_ray_files`: leave Ray's logs after `down` (a load test's output); a benchmark's or a
+        test's fleet, whose data dir is thrown away, removes them."""
         self.data_dir = Path(data_dir)
+        self.keep_ray_files = keep_ray_files
         self.nodes = nodes
         self.models = models
         self.routing = routing
@@ -63,6 +67,8 @@ class SpawnedFleet:
 
     def down(self) -> None:
         self.run("down", timeout=300)
+        if not self.keep_ray_files:
+            temp_dir.remove(self.data_dir)
 
     def __enter__(self) -> "SpawnedFleet":
         try:

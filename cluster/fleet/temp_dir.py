@@ -55,6 +55,14 @@ def prepare(data_dir: Path) -> Path:
     return ray_dir
 
 
+def remove(data_dir: Path) -> None:
+    """Remove the fleet's folder for Ray's files, once the fleet is down and its logs are not wanted."""
+    root = temp_root(data_dir)
+    st = os.lstat(root) if root.exists() or root.is_symlink() else None
+    if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)

@@ -68,3 +68,16 @@ def test_a_base_too_long_for_rays_sockets_is_refused_with_the_fix(monkeypatch, t
     with pytest.raises(temp_dir.TempDirError, match=r"set RAY_TMPDIR to a shorter folder \(/tmp\)"):
         temp_dir.prepare(tmp_path)
     assert not Path("/tmp/" + "x" * 60).exists()
+
+
+def test_remove_takes_the_whole_folder_and_only_ours(base, tmp_path):
+    temp_dir.prepare(tmp_path)
+    (ray_temp_dir(tmp_path) / "session_2026-12-01_09-00-00_000001_11").mkdir()
+    temp_dir.remove(tmp_path)
+    assert not temp_root(tmp_path).exists()
+    temp_dir.remove(tmp_path)  # nothing there: nothing to do
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    temp_root(tmp_path).symlink_to(elsewhere)
+    temp_dir.remove(tmp_path)
+    assert elsewhere.is_dir() and temp_root(tmp_path).is_symlink()
