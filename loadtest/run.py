@@ -137,7 +137,7 @@ def run_policy(a: argparse.Namespace, policy: Optional[str]) -> tuple[str, list[
 
         extra = tuple(a.fleet_arg)
         print(f"[{label}] starting a {a.nodes}-node fleet of {a.model} ...", flush=True)
-        with SpawnedFleet(a.out / f"fleet-{label}", a.nodes, (a.model,), policy, extra, keep_ray_files=True) as fleet:
+        with SpawnedFleet(a.out / f"fleet-{label}", a.nodes, (a.model,), policy, extra) as fleet:
             print(f"[{label}] load test at {fleet.url} ...", flush=True)
             code = run_locust(a, fleet.url, run_dir)
             status = settled_status(fleet)

@@ -43,7 +43,10 @@ from cluster.store.redis_client import aconnect
 
 log = logging.getLogger(__name__)
 
-app = FastAPI(title="mlx-fleet", description="OpenAI-compatible serving from a fleet of Apple Silicon Macs.")
+# strict_content_type: a body without a Content-Type is not read as JSON (what a browser's cross-site POST
+# sends); errors.from_validation_errors says so.
+app = FastAPI(title="mlx-fleet", description="OpenAI-compatible serving from a fleet of Apple Silicon Macs.",
+              strict_content_type=True)
 front_door = FrontDoorSettings()
 CACHE_HEADER = "x-fleet-cache"
 app.add_middleware(FrontDoor, settings=front_door)

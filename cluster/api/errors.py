@@ -7,6 +7,7 @@ ours, and 503 + Retry-After when no replica can take the request now.
 
 from __future__ import annotations
 
+import email.message
 from typing import Optional
 
 from fastapi.responses import JSONResponse
@@ -64,18 +65,31 @@ def internal(message: str) -> APIError:
 _TYPE_TAGS = {"int", "float", "str", "bool", "list", "dict", "none", "json-or-python"}
 
 
-def _field_path(loc) -> list[str]:
-    """The body path of an error, without pydantic's union-branch tags ('int', 'list[int]', a model's name, ...)."""
+def _field_path(loc, into_models: bool = False) -> list[str]:
+    """The body path of an error, up to pydantic's first union-branch tag ('int', 'list[int]', a model's
+    name, ...); with `into_models`, on through a model branch to the field inside it."""
     path = []
     for part in loc:
         text = str(part)
         if part == "body" and not path:
             continue
         # a model class names its union branch (ToolChoiceFunction); the API's own fields are all snake_case
+        if text[:1].isupper() and into_models:
+            continue
         if text in _TYPE_TAGS or "[" in text or text.startswith(("function-", "constrained-")) or text[:1].isupper():
             break
         path.append(text)
     return path
+
+
+def _is_json(content_type: Optional[str]) -> bool:
+    """What FastAPI reads as JSON: application/json or application/*+json, parameters aside."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def from_validation_errors(errors: list[dict], content_type: Optional[str] = "application/json") -> APIError:
@@ -85,14 +99,18 @@ def from_validation_errors(errors: list[dict], content_type: Optional[str] = "ap
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
-    if (tuple(first.get("loc", ())) == ("body",) and first.get("type") != "missing"
-            and (content_type is None or "json" not in content_type.lower())):
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") != "missing" and not _is_json(content_type):
         # FastAPI reads only a JSON content type as JSON: any other one, or none (it refuses to guess, against
         # cross-site requests a browser may send without one), makes even a JSON object "not an object"
         sent = "without a Content-Type" if content_type is None else f"as {content_type!r}"
         return bad_request(f"The request body must be JSON, sent with Content-Type: application/json "
                            f"(this one was sent {sent})", code="invalid_content_type")
-    loc = _field_path(first.get("loc", ()))
+    field = ".".join(_field_path(first.get("loc", ())))
+    # A union's branches each report the field: tell the one that got furthest into the input (an object
+    # for tool_choice is told what is wrong inside it, not that it is not 'none', 'auto' or 'required')
+    first = max((e for e in errors if ".".join(_field_path(e.get("loc", ()))) == field),
+                key=lambda e: len(e.get("loc", ())), default=first)
+    loc = _field_path(first.get("loc", ()), into_models=True)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return APIError(400, f"Request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
@@ -107,7 +125,7 @@ def from_validation_errors(errors: list[dict], content_type: Optional[str] = "ap
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
     message = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
-    # A union's branches each report the same field: one problem, told once (the first branch's)
-    others = len({".".join(_field_path(e.get("loc", ()))) for e in errors} - {param})
+    # a union's branches all report one field: one problem, told once
+    others = len({".".join(_field_path(e.get("loc", ()))) for e in errors} - {field})
     more = f" (and {others} more problem{'s' if others > 1 else ''})" if others else ""
     return bad_request(f"Invalid value for '{param}': {message}{more}", param)

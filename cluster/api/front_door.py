@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 # The `endpoint` label of the requests metric: a fixed set, so that no client can make new series by asking
 # for new URLs (every model card is one route; any path we do not serve is "other").
-ENDPOINTS = frozenset({"/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/fleet/status"})
+ENDPOINTS = frozenset({"/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/fleet/status",
+                       "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # the last four: FastAPI's
 
 
 def endpoint_label(path: str) -> str:

@@ -17,16 +17,14 @@ from typing import Optional
 
 from cluster.fleet import temp_dir
 from cluster.fleet.ports import free_port
+from cluster.fleet.state import load_state
 
 
 class SpawnedFleet:
     def __init__(self, data_dir: Path, nodes: int = 2, models: tuple[str, ...] = ("tiny-dense",),
                  routing: Optional[str] = None, extra: tuple[str, ...] = (), dashboard: bool = False,
-                 env: Optional[dict] = None, keep_ray_files: bool = False):
-        """`keep_ray_files`: leave Ray's logs after `down` (a load test's output); a benchmark's or a
-        test's fleet, whose data dir is thrown away, removes them."""
+                 env: Optional[dict] = None):
         self.data_dir = Path(data_dir)
-        self.keep_ray_files = keep_ray_files
         self.nodes = nodes
         self.models = models
         self.routing = routing
@@ -65,17 +63,20 @@ class SpawnedFleet:
     def status(self) -> dict:
         return json.loads(self.run("status", "--json").stdout)
 
-    def down(self) -> None:
+    def down(self, remove_ray_files: bool = True) -> None:
+        """Stop the fleet; then, unless asked to keep them, remove Ray's files (this fleet's data dir is
+        thrown away, and they would pile up in /tmp)."""
+        state = load_state(self.data_dir)
         self.run("down", timeout=300)
-        if not self.keep_ray_files:
-            temp_dir.remove(self.data_dir)
+        if remove_ray_files and state is not None:
+            temp_dir.remove(Path(state.ray_temp_dir))
 
     def __enter__(self) -> "SpawnedFleet":
         try:
             return self.up()
         except BaseException:
-            self.down()
+            self.down(remove_ray_files=False)  # the error names the logs in there
             raise
 
-    def __exit__(self, *exc) -> None:
-        self.down()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.down(remove_ray_files=exc_type is None)

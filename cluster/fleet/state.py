@@ -66,7 +66,8 @@ def temp_root(data_dir: Path) -> Path:
     default: $RAY_TMPDIR if set, else /tmp on macOS, whose $TMPDIR (/var/folders/...) is too long for
     them, and $TMPDIR or /tmp on Linux."""
     base = os.environ.get("RAY_TMPDIR") or ("/tmp" if sys.platform == "darwin" else tempfile.gettempdir())
-    digest = hashlib.sha1(fleet_tag(data_dir).encode()).hexdigest()[:10]
+    # the user too: two users' fleets on the same data dir path never share one
+    digest = hashlib.sha1(f"{os.getuid()}:{fleet_tag(data_dir)}".encode()).hexdigest()[:10]
     return Path(base) / f"mlxf-{digest}"
 
 

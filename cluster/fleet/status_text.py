@@ -7,7 +7,8 @@ def render(status: dict) -> str:
     lines = [f"endpoint:  {status.get('endpoint')}/v1", f"dashboard: {status.get('dashboard') or '-'}",
              _redis_line(status.get("redis", {})), "", "nodes:"]
     for n in status["nodes"]:
-        metrics = f"  metrics http://{n['address']}:{n['metrics_port']}/metrics" if n.get("metrics_port") else ""
+        host = f"[{n['address']}]" if ":" in str(n["address"]) else n["address"]  # an IPv6 address in a URL
+        metrics = f"  metrics http://{host}:{n['metrics_port']}/metrics" if n.get("metrics_port") else ""
         lines.append(f"  {n['name']:<10} {n.get('node_id') or '-':<22} {'alive' if n['alive'] else 'DEAD ':<6} "
                      f"{n['address']}{metrics}")
         lines.append("      " + _disk_line(n.get("disk")))

@@ -1,11 +1,15 @@
 """The fleet's folder for Ray's files: private to its user, short enough for Ray's sockets, and pruned.
 
 Ray makes the temp dir it is given readable and writable by every user (it expects a shared /tmp/ray),
-and its name here is predictable (a hash of the data dir). So Ray's dir sits inside a folder of ours:
-- made mode 0700, so no other user can read Ray's logs or reach its sockets;
+and its name here is predictable (a hash of the user and the data dir). So Ray's dir sits inside a
+folder of ours:
+- made mode 0700, so no other user can read Ray's logs or reach its sockets (plasma's have no auth);
 - refused if it exists as a symlink or belongs to another user, who could have made it first;
-- pruned at each `up`: every Ray session but the newest (the logs of the last run, kept for a
-  post-mortem), so the folder does not grow by a session per start.
+- emptied whole if it was open to others before (an older layout let Ray open it): whatever is in it
+  may have been planted; otherwise pruned at each `up` to the last run's session (its logs, kept for
+  a post-mortem), so it does not grow by a session per start.
+Ray never writes to the folder itself, and workers and drivers find Ray's dir through the head, so
+nothing else needs to get through it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import shutil
 import stat
 import sys
 from pathlib import Path
+from typing import Optional
 
 from cluster.fleet.state import ray_temp_dir, temp_root
 
@@ -36,31 +41,67 @@ def prepare(data_dir: Path) -> Path:
         raise TempDirError(f"Ray's socket paths under {ray_dir} would be {longest} bytes, over this system's "
                            f"{SOCKET_LIMIT}; set RAY_TMPDIR to a shorter folder (/tmp)")
     try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(root)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise TempDirError(f"{root}, this fleet's folder for Ray's files, exists and is not a folder of yours "
-                           f"(another user may have made it): remove it, or use another --data-dir")
-    os.chmod(root, 0o700)
-    for entry in root.iterdir():  # anything but Ray's dir is left from an older layout
-        if entry != ray_dir:
-            _remove(entry)
-    ray_dir.mkdir(exist_ok=True)
-    # a session's name starts with its start time (session_2026-12-02_04-27-11_...): by name is by age
-    sessions = sorted(p for p in ray_dir.glob("session_*") if p.is_dir() and not p.is_symlink())
-    for old in sessions[:-1]:
-        _remove(old)
+        _check_base(root.parent)
+        try:
+            os.mkdir(root, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(root)
+        if not _ours(st):
+            raise TempDirError(f"{root}, this fleet's folder for Ray's files, exists and is not a folder of yours "
+                               f"(another user may have made it): remove it, or use another --data-dir")
+        was_private = stat.S_IMODE(st.st_mode) & 0o077 == 0
+        os.chmod(root, 0o700)
+        for entry in root.iterdir():
+            if entry != ray_dir or not was_private:
+                _remove(entry)  # an older layout's, or anything in a folder that others could write to
+        if ray_dir.is_symlink() or (ray_dir.exists() and not _ours(os.lstat(ray_dir))):
+            _remove(ray_dir)
+        ray_dir.mkdir(exist_ok=True)
+        keep = _last_session(ray_dir)
+        for old in ray_dir.iterdir():
+            if old.name.startswith("session_") and old.name != "session_latest" and old != keep:
+                _remove(old)
+        _remove(ray_dir / "tmp")  # the fleet processes' TMPDIR: no process of this fleet runs now
+    except OSError as e:
+        raise TempDirError(f"cannot prepare {root}, this fleet's folder for Ray's files: {e}") from None
     return ray_dir
 
 
-def remove(data_dir: Path) -> None:
-    """Remove the fleet's folder for Ray's files, once the fleet is down and its logs are not wanted."""
-    root = temp_root(data_dir)
-    st = os.lstat(root) if root.exists() or root.is_symlink() else None
-    if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
-        shutil.rmtree(root, ignore_errors=True)
+def remove(ray_dir: Path) -> None:
+    """Remove the folder holding `ray_dir` (a fleet's recorded Ray dir), once the fleet is down and its logs
+    are not wanted."""
+    root = Path(ray_dir).parent
+    try:
+        if _ours(os.lstat(root)):
+            shutil.rmtree(root, ignore_errors=True)
+    except FileNotFoundError:
+        pass
+
+
+def _check_base(base: Path) -> None:
+    """Checks by path are safe only where nobody else can rename what we checked: a sticky /tmp, or a base
+    no other user can write to."""
+    st = os.stat(base)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise TempDirError(f"{base} is writable by other users and not sticky; set RAY_TMPDIR to a folder "
+                           f"only you can write to, or to /tmp")
+
+
+def _ours(st: os.stat_result) -> bool:
+    return stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
+
+
+def _last_session(ray_dir: Path) -> Optional[Path]:
+    """The last run's session: what Ray's session_latest points to, else the newest by name (its start time)."""
+    latest = ray_dir / "session_latest"
+    if latest.is_symlink():
+        target = Path(os.readlink(latest))
+        target = target if target.is_absolute() else ray_dir / target
+        if target.parent == ray_dir:
+            return target
+    sessions = sorted(p for p in ray_dir.glob("session_*") if p.name != "session_latest" and not p.is_symlink())
+    return sessions[-1] if sessions else None
 
 
 def _remove(path: Path) -> None:

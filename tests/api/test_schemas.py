@@ -105,6 +105,9 @@ def test_a_body_sent_as_another_content_type_is_told_so():
     assert err.message == ("The request body must be JSON, sent with Content-Type: application/json "
                            "(this one was sent as 'text/plain')")
     assert from_validation_errors(errors, "application/json; charset=utf-8").code != "invalid_content_type"
+    assert from_validation_errors(errors, "application/vnd.api+json").code != "invalid_content_type"
+    for other in ("text/json", "application/x-ndjson"):  # FastAPI does not read these as JSON either
+        assert from_validation_errors(errors, other).code == "invalid_content_type"
 
 
 def test_a_body_sent_without_a_content_type_is_told_so():
@@ -129,6 +132,11 @@ def test_a_union_field_is_one_problem_and_other_fields_are_counted():
                                                        "'auto' or 'required'")
     err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, "tool_choice": "sometimes", "n": 2, "top_p": 9})
     assert err.message.endswith(" (and 2 more problems)")
+    # an object is told what is wrong inside it, not that it is none of the strings
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {}}})
+    assert (err.param, err.code, err.message) == ("tool_choice.function.name", "missing_required_parameter",
+                                                  "Missing required parameter: 'tool_choice.function.name'.")
 
 
 def test_an_empty_body_names_the_model_as_missing():

@@ -555,6 +555,8 @@ def test_no_credential_is_shown_anywhere(fleet, http):
 def test_files_with_secrets_are_private(fleet):
     for path in (fleet.data_dir / "ray-token", fleet.data_dir / "redis" / "password", fleet.data_dir / "fleet.json"):
         assert path.stat().st_mode & 0o077 == 0, path
+    ray_dir = Path(fleet.state().ray_temp_dir)  # Ray opens its own dir to every user: the folder around it is ours
+    assert ray_dir.parent.stat().st_mode & 0o777 == 0o700 and (ray_dir / "session_latest").is_dir()
 
 
 def test_the_dashboard_shows_the_serve_app_and_the_node_stores(fleet):
@@ -689,7 +691,7 @@ def test_prometheus_shows_the_fleets_metrics_and_they_add_up(fleet, client):
     endpoints = {dict(labels)["endpoint"] for _, name, labels in now if name == "ray_mlx_fleet_requests_total"}
     assert {"other", "/v1/models/{model}", "/v1/chat/completions"} <= endpoints <= {
         "/health", "/v1/models", "/v1/models/{model}", "/v1/chat/completions", "/v1/completions",
-        "/v1/fleet/status", "other"}, endpoints
+        "/v1/fleet/status", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "other"}, endpoints
     ram = total(now, "ray_mlx_fleet_cache_blocks", model=OTHER, tier="ram")
     disk = total(now, "ray_mlx_fleet_cache_blocks", tier="disk")
     assert ram > 0 and disk >= 0
