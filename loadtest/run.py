@@ -184,6 +184,12 @@ def _s(v: Optional[float]) -> str:
 FLEET_ONLY = ("nodes", "model", "fleet_arg", "routing")  # what shapes a fleet the runner starts, not one attached
 
 
+def ignored_with_attach(a: argparse.Namespace) -> list[str]:
+    """The options given that only shape fleets the runner starts (--routing has its own check)."""
+    defaults = parser().parse_args([])
+    return [f"--{k.replace('_', '-')}" for k in FLEET_ONLY if k != "routing" and getattr(a, k) != getattr(defaults, k)]
+
+
 def args_record(a: argparse.Namespace) -> dict:
     """The run's settings for summary.json, as JSON values; never the API key, and with --attach none of the
     settings of fleets it did not start."""
@@ -200,6 +206,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             check_target(a.attach, a.allow_remote)
         except ValueError as e:
             raise SystemExit(str(e))
+        ignored = ignored_with_attach(a)
+        if ignored:
+            print(f"note: {', '.join(ignored)} shape(s) the fleets the runner starts; with --attach they are ignored",
+                  file=sys.stderr)
 
     if importlib.util.find_spec("locust") is None:
         raise SystemExit("locust is not installed in this environment: run `make deps` "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from loadtest.run import args_record, check_target, parser
+from loadtest.run import args_record, check_target, ignored_with_attach, parser
 from loadtest.summary import read_records
 from tests.local_fleet import LocalFleet
 
@@ -119,6 +119,12 @@ def test_the_runner_attached_reports_exact_totals_splits_and_files(fleet, tmp_pa
         with Image.open(out / png) as im:
             assert im.format == "PNG" and im.width > 400
             assert len(im.convert("RGB").getcolors(maxcolors=1 << 16) or range(99)) > 20
+
+
+def test_fleet_settings_given_with_attach_are_named_as_ignored():
+    given = parser().parse_args(["--attach", "http://127.0.0.1:8000", "--model", "tiny-swa", "--nodes", "3"])
+    assert ignored_with_attach(given) == ["--nodes", "--model"]
+    assert ignored_with_attach(parser().parse_args(["--attach", "http://127.0.0.1:8000", "--users", "9"])) == []
 
 
 def test_the_summary_records_settings_as_json_values_never_the_key():
