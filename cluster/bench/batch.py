@@ -218,7 +218,7 @@ def run_http(a, tok, path: Path) -> dict:
             for c in a.concurrency:
                 results["mlx_lm.server"][c] = asyncio.run(http_rounds(server.url, str(path), texts[c], a.max_tokens))
         extra = (("--stream-interval", str(a.stream_interval)) if a.stream_interval is not None else ()) + \
-            (("--stream-messages", str(a.stream_messages)) if a.stream_messages is not None else ())
+            (("--stream-messages", str(a.stream_messages)) if a.stream_messages is not None else ()) + tuple(a.fleet_arg)
         with SpawnedFleet(Path(work) / "fleet", 1, (a.model,), extra=extra) as fleet:
             for c in a.concurrency:
                 results["mlx-fleet"][c] = asyncio.run(http_rounds(fleet.url, a.model, texts[c], a.max_tokens))
@@ -263,10 +263,13 @@ def main(argv: list[str]) -> int:
                    help="the fleet's --stream-interval (default: the fleet's own, 0.02 s)")
     p.add_argument("--stream-messages", type=float, default=None,
                    help="the fleet's --stream-messages (default: the fleet's own, 100 per second)")
+    p.add_argument("--fleet-arg", action="append", default=[], metavar="ARG",
+                   help="another `mlx-fleet up` option for the fleet (repeat), e.g. --fleet-arg=--no-cache")
     a = p.parse_args(argv)
     model, tok, path = load(a.model, a.data_dir)
     results = {"model": a.model, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                "stream_interval_s": a.stream_interval, "stream_messages_per_s": a.stream_messages, "rounds": a.rounds,
+               "fleet_args": a.fleet_arg,
                "engine": {} if a.no_engine else run_engine(a, model, tok)}
     if not a.no_http:
         results["http"] = run_http(a, tok, path)
