@@ -18,7 +18,8 @@ class _DefaultsShown(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+        if action.default is None or action.default is False or action.default == [] \
+                or action.default == argparse.SUPPRESS \
                 or "default" in text or not action.option_strings:
             return text
         if isinstance(action.default, list):  # nargs="+": shown as it is typed
