@@ -26,7 +26,8 @@ def test_every_option_has_help_and_shows_its_default(name, monkeypatch, capsys):
     (p,) = seen
     for action in p._actions:
         assert action.help, f"{name}: {action.option_strings} has no help"
-        if action.option_strings and action.default not in (None, False, []) \
+        if action.option_strings and action.default is not None and action.default is not False \
+                and action.default != [] \
                 and action.default != argparse.SUPPRESS and "default" not in action.help:
             assert "(default: " in p.formatter_class("x")._get_help_string(action), \
                 f"{name}: {action.option_strings} does not show its default"
