@@ -125,15 +125,16 @@ def zero(name: str, **tags: str) -> None:
     """Export a counter's series at 0 before its first event, so that a dashboard shows 0 (no evictions yet),
     not "No data", which looks like a broken scrape. Ray's `Counter.inc` refuses 0; `_record`, which it
     calls, takes it."""
+    global _zero_warned
     try:
         _registry.get(name)._record(0.0, tags=_str(tags))
     except Exception as e:  # a Ray without it: the series appears at its first event, as before
-        if not _zero_failed:
+        if not _zero_warned:
             log.warning("counters are not exported at 0 before their first event: %s", e)
-        _zero_failed.append(name)
+            _zero_warned = True
 
 
-_zero_failed: list[str] = []
+_zero_warned = False
 
 
 def observe(name: str, value: float, **tags: str) -> None:

@@ -73,10 +73,11 @@ def _field_path(loc, into_models: bool = False) -> list[str]:
         text = str(part)
         if part == "body" and not path:
             continue
-        # a model class names its union branch (ToolChoiceFunction); the API's own fields are all snake_case
-        if text[:1].isupper() and into_models:
-            continue
-        if text in _TYPE_TAGS or "[" in text or text.startswith(("function-", "constrained-")) or text[:1].isupper():
+        if text[:1].isupper():  # a model class names its union branch (ToolChoiceFunction); fields are snake_case
+            if into_models:
+                continue
+            break
+        if text in _TYPE_TAGS or "[" in text or text.startswith(("function-", "constrained-")):
             break
         path.append(text)
     return path
@@ -105,11 +106,11 @@ def from_validation_errors(errors: list[dict], content_type: Optional[str] = "ap
         sent = "without a Content-Type" if content_type is None else f"as {content_type!r}"
         return bad_request(f"The request body must be JSON, sent with Content-Type: application/json "
                            f"(this one was sent {sent})", code="invalid_content_type")
-    field = ".".join(_field_path(first.get("loc", ())))
+    fields = [".".join(_field_path(e.get("loc", ()))) for e in errors]
+    field = fields[0]
     # A union's branches each report the field: tell the one that got furthest into the input (an object
     # for tool_choice is told what is wrong inside it, not that it is not 'none', 'auto' or 'required')
-    first = max((e for e in errors if ".".join(_field_path(e.get("loc", ()))) == field),
-                key=lambda e: len(e.get("loc", ())), default=first)
+    first = max((e for e, f in zip(errors, fields) if f == field), key=lambda e: len(e.get("loc", ())))
     loc = _field_path(first.get("loc", ()), into_models=True)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
@@ -126,6 +127,6 @@ def from_validation_errors(errors: list[dict], content_type: Optional[str] = "ap
         return bad_request(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
     message = first.get("msg", "invalid value").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
     # a union's branches all report one field: one problem, told once
-    others = len({".".join(_field_path(e.get("loc", ()))) for e in errors} - {field})
+    others = len(set(fields) - {field})
     more = f" (and {others} more problem{'s' if others > 1 else ''})" if others else ""
     return bad_request(f"Invalid value for '{param}': {message}{more}", param)
