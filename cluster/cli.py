@@ -151,8 +151,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     print("  try:\n"
           f"    curl {state.http_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'")
-    print(f"  logs:      {state.ray_temp_dir}/session_latest/logs (Ray's and the replicas'; the last run's stay "
-          f"there until the next up)")
+    print(f"  logs:      {state.ray_temp_dir}/session_latest/logs (Ray's and the replicas'; the next up keeps "
+          f"this run's session beside its own and drops older ones)")
     print(f"  stop:      {_this_command()} down --data-dir {state.data_dir}")
     if cfg.foreground:
         return _stay_attached(Path(state.data_dir))
