@@ -12,6 +12,8 @@ MODEL  ?=
 PORT   ?= 8000
 ARGS   ?=
 PYTEST_ARGS ?=
+# MLX's backend on Linux: cpu (the default) or cuda (MLX's CUDA 13 wheel; docs/gpu.md). macOS always has Metal.
+BACKEND ?= cpu
 # Where the fleet's state lives; the same for up, down and status. Empty: $$MLX_FLEET_DATA_DIR, else ~/.mlx-fleet.
 DATA_DIR ?=
 
@@ -52,12 +54,12 @@ PIP_INSTALL = $(BIN)/python -m pip install -q
 
 $(VENV)/.installed-base: pyproject.toml | $(VENV)/bin/python
 	@echo "installing mlx-fleet and its dependencies into $(VENV) (log: $(VENV)/pip.log) ..."
-	@$(PIP_INSTALL) -e . >$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@$(PIP_INSTALL) -e ".[$(BACKEND)]" >$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	@echo "installing mlx-fleet with its test and load-test dependencies into $(VENV) (log: $(VENV)/pip.log) ..."
-	@$(PIP_INSTALL) -e ".[test,load]" >$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@$(PIP_INSTALL) -e ".[$(BACKEND),test,load]" >$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@ $(VENV)/.installed-base
 
 fleet-token: deploy/.ray-token

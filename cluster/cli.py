@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every replica (900)")
 
     bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
-    bench.add_argument("name", nargs="?", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch "
+    bench.add_argument("name", nargs="?", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch | gpu "
                                     "(`mlx-fleet bench <name> -h` for its options)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
@@ -146,6 +146,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     model = cfg.app.models[0].name
     print(f"\nmlx-fleet is up in {time.monotonic() - t0:.1f}s: {cfg.nodes} node(s), model(s) {', '.join(state.models)}")
     print(f"  endpoint:  {state.http_url}/v1")
+    print(f"  backend:   MLX on {_backend()} (each replica's is in `mlx-fleet status`)")
     if state.dashboard_url:
         print(f"  dashboard: {state.dashboard_url}")
     print("  try:\n"
@@ -157,6 +158,13 @@ def cmd_up(a: argparse.Namespace) -> int:
     if cfg.foreground:
         return _stay_attached(Path(state.data_dir))
     return 0
+
+
+def _backend() -> str:
+    """This machine's MLX backend, as replicas started here report it (cpu, gpu:sm_90, gpu:applegpu_g15s)."""
+    from cluster.store.fingerprint import backend
+
+    return backend()
 
 
 def _stay_attached(data_dir: Path) -> int:
@@ -304,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("mlx"):
+            raise
+        print("mlx-fleet: MLX has no backend here: on Linux install mlx-fleet with one, "
+              "pip install 'mlx-fleet[cpu]' or 'mlx-fleet[cuda]' (NVIDIA, CUDA 13); `make` installs [cpu] "
+              f"unless BACKEND=cuda ({e})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

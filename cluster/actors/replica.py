@@ -100,7 +100,10 @@ class ModelReplica:
         from cluster.engine.metal import configure_memory
         from cluster.kvcache.setup import setup_cache
 
+        from cluster.store.fingerprint import backend
+
         memory = configure_memory()
+        self.backend = backend()  # what status shows; the fingerprint pins it too
         path = resolve_model(self.spec.source, Path(app.data_dir).expanduser())
         model, tokenizer = load(str(path))
         cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link)
@@ -199,6 +202,7 @@ class ModelReplica:
             "started": self.started,
             "renewed": time.time(),
             "healthy": self.scheduler.alive,
+            "backend": getattr(self, "backend", None),
             "prefill_tps": round(self.scheduler.prefill_tps, 1),
             "streams": self.streams,
             **self.scheduler.load(),

@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "migrate": "cluster.bench.migrate",
     "turboquant": "cluster.bench.turboquant",
     "batch": "cluster.bench.batch",
+    "gpu": "cluster.bench.gpu",
 }
 
 

@@ -23,7 +23,7 @@ def render(status: dict) -> str:
         lines.append(f"  {r['model']:<20} on {r['node_id']:<22} active={r.get('active', 0):<3} "
                      f"requests={r.get('requests', 0):<6} tokens: prompt={prompt:<8} cached={r.get('cached_tokens', 0):<8} "
                      f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)} "
-                     f"(since it started {_age(r)} ago)")
+                     f"backend={r.get('backend') or '-'} (since it started {_age(r)} ago)")
         lines.append("      " + _batch_line(r))
         lines.append("      " + _cache_line(r.get("cache", {})))
     fleet = status.get("fleet") or {}

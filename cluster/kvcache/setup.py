@@ -14,7 +14,7 @@ from typing import Optional
 import mlx.core as mx
 
 from cluster.config import CacheConfig
-from cluster.families.codecs import capture_block, codec_descriptor, new_cache, payload_signature
+from cluster.families.codecs import AFFINE, capture_block, codec_descriptor, new_cache, payload_signature
 from cluster.families.registry import UnsupportedModel, layout_for
 from cluster.families.specs import Layout, Recurrent
 from cluster.kvcache.breaker import Breaker
@@ -52,6 +52,30 @@ def probe(model, layout: Layout, block_tokens: int) -> Shapes:
                   state_bytes=state_bytes, kv_bytes_per_token=per_token)
 
 
+class UnsupportedCodec(ValueError):
+    """This backend's MLX cannot run the chosen --kv-codec on this model."""
+
+
+def probe_codec(model, layout: Layout, config: CacheConfig) -> Shapes:
+    """`probe`, plus (q8/q4, where the model attends over mlx's quantized cache) one decode step, so that a
+    backend lacking a quantized kernel for this model's shapes (MLX's CUDA backend has gaps) fails here, at
+    start, with what to use instead, never mid-request."""
+    if config.kv_codec not in AFFINE:
+        return probe(model, layout, config.block_tokens)
+    try:
+        shapes = probe(model, layout, config.block_tokens)
+        caches = [new_cache(spec) for spec in layout.layers]
+        model(mx.array([[1, 2, 3, 4]]), cache=caches)
+        mx.eval(model(mx.array([[5]]), cache=caches))
+        return shapes
+    except (RuntimeError, ValueError) as e:
+        from cluster.store.fingerprint import backend
+
+        raise UnsupportedCodec(f"--kv-codec {config.kv_codec} needs MLX's quantized attention kernels, which the "
+                               f"{backend()} backend lacks for this model ({e}); use --kv-codec native (exact) "
+                               f"or tq8/tq4 (packed in the tiers, attention in the model's own dtype)") from e
+
+
 def probe_block(model, layout: Layout, block_tokens: int) -> list:
     """Block 0 of a fixed prompt, as a block would hold it: real K/V to measure a lossy codec on."""
     caches = [new_cache(spec) for spec in layout.layers]
@@ -69,7 +93,7 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
     except UnsupportedModel as e:
         log.warning("%s; serving without KV block reuse", e)
         return CacheSetup(None, None, str(e))
-    shapes = probe(model, layout, config.block_tokens)
+    shapes = probe_codec(model, layout, config)
     codec = codec_descriptor(config.kv_codec, config.kv_group_size)
     fp = compute_fingerprint(model_dir, dtype=shapes.dtype, codec=codec, block_tokens=config.block_tokens,
                              chat_template=getattr(tokenizer, "chat_template", None), cache_dir=cache_dir)

@@ -86,7 +86,8 @@ def _write_weights(spec: BuiltinModel, out: Path) -> None:
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(spec.seed)
     model = model_cls(args_cls.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
+    dtype = getattr(mx, config.get("torch_dtype", "float32"))
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
     mx.eval(weights)
     mx.save_safetensors(str(out / WEIGHTS_FILE), weights, {"format": "mlx"})
 

@@ -103,6 +103,32 @@ _QWEN3_0P6B = dict(
     max_position_embeddings=40960,
 )
 
+# Realistic geometries in bfloat16 for GPU benchmarks (docs/gpu.md). Random weights and the tiny
+# vocabulary (the built-in tokenizer's); the layers are the real models' shapes. Built in seconds on a GPU
+# (tens of GB on disk), far too big for CI: no test builds them.
+_BF16 = {"torch_dtype": "bfloat16"}
+_QWEN3_0P6B_BF16 = dict(_QWEN3_0P6B, **_BF16)
+# Qwen3-8B: 36 layers, hidden 4096, 32 query / 8 KV heads of 128.
+_QWEN3_8B = dict(
+    _QWEN3, hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, **_BF16,
+)
+# Qwen3-Next's attention geometry (3 gated-delta layers to 1 full-attention layer; 16 key / 32 value
+# linear heads of 128; 16 query / 2 KV heads of 256) with a dense MLP instead of the experts: ~8B.
+_QWEN3_5_HYBRID = dict(
+    _QWEN3_5, hidden_size=2048, num_hidden_layers=48, intermediate_size=8192,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, max_position_embeddings=65536, **_BF16,
+)
+# Gemma 3 4B: 34 layers, hidden 2560, 8 query / 4 KV heads of 256, 5 sliding (1024) to 1 global.
+_GEMMA3_4B = dict(
+    _GEMMA3, hidden_size=2560, num_hidden_layers=34, intermediate_size=10240,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+    sliding_window=1024, sliding_window_pattern=6, max_position_embeddings=65536, **_BF16,
+)
+
 BUILTINS: dict[str, BuiltinModel] = {
     m.name: m
     for m in (
@@ -114,6 +140,15 @@ BUILTINS: dict[str, BuiltinModel] = {
         BuiltinModel("tiny-next", _QWEN3_NEXT, "qwen3_next, gated-delta + attention, MoE"),
         BuiltinModel("bench-qwen3-0.6b", _QWEN3_0P6B,
                      "qwen3, Qwen3-0.6B geometry (benchmarks only)", listed=False),
+        BuiltinModel("bench-qwen3-0.6b-bf16", _QWEN3_0P6B_BF16,
+                     "qwen3, Qwen3-0.6B geometry in bfloat16 (GPU benchmarks only)", listed=False),
+        BuiltinModel("bench-qwen3-8b", _QWEN3_8B,
+                     "qwen3, Qwen3-8B geometry in bfloat16 (GPU benchmarks only)", listed=False),
+        BuiltinModel("bench-hybrid-8b", _QWEN3_5_HYBRID,
+                     "qwen3_5, Qwen3-Next attention geometry, dense MLP, bfloat16 (GPU benchmarks only)",
+                     listed=False),
+        BuiltinModel("bench-gemma3-4b", _GEMMA3_4B,
+                     "gemma3_text, Gemma 3 4B geometry in bfloat16 (GPU benchmarks only)", listed=False),
     )
 }
 

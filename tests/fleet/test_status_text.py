@@ -6,7 +6,7 @@ from cluster.fleet.status_text import render
 def replica(**over) -> dict:
     r = {"model": "tiny-dense", "node_id": "node-0-1a2b3c4d", "active": 1, "requests": 7, "prompt_tokens": 400,
          "cached_tokens": 100, "completion_tokens": 56, "started": 1000.0, "renewed": 1185.0, "decoding": 2,
-         "waiting": 1, "queued_tokens": 33, "streams": 3,
+         "waiting": 1, "queued_tokens": 33, "streams": 3, "backend": "gpu:sm_90",
          "batching": {"batching": True, "decode_concurrency": 32, "prefill_concurrency": 8, "mean_batch": 1.5,
                       "batched_steps": 20},
          "cache": {"enabled": False, "reason": "off in config"}}
@@ -22,7 +22,7 @@ def test_a_replica_line_says_since_when_its_counters_count():
     lines = render(status(replica())).splitlines()
     i = lines.index("replicas:")
     assert lines[i + 1] == ("  tiny-dense           on node-0-1a2b3c4d        active=1   requests=7      tokens: prompt=400      "
-                            "cached=100      reuse=25%   completion=56 (since it started 3m05s ago)")
+                            "cached=100      reuse=25%   completion=56 backend=gpu:sm_90 (since it started 3m05s ago)")
     assert lines[i + 2] == ("      batching: up to 32 decoding, 8 prefilling, mean batch 1.5 over 20 steps; decoding 2, "
                             "waiting 1, 33 prompt tokens to prefill, 3 in flight")
 
@@ -32,6 +32,7 @@ def test_replica_ages_read_in_seconds_minutes_or_hours():
     ages = [ls[ls.index("replicas:") + 1].rsplit("(", 1)[1] for ls in lines]
     assert ages == ["since it started 42s ago)", "since it started 2h07m ago)"]
     assert "(since it started - ago)" in render(status(replica(started=None)))
+    assert "backend=- (since" in render(status(replica(backend=None)))  # a replica of an older version
 
 
 def test_tier_lines_say_what_their_counters_count():

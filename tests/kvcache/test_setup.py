@@ -29,3 +29,25 @@ def test_enabled_cache_reports_its_measured_geometry(load_builtin, data_dir, tmp
     stats = setup.cache.stats()
     assert stats["block_tokens"] == 32 and stats["checkpoint_every"] == 4
     assert setup.fingerprint.parts["dtype"] == "float32" and setup.fingerprint.parts["block_tokens"] == 32
+
+
+def test_a_backend_without_quantized_kernels_refuses_q8_at_start_naming_the_alternatives(load_builtin, data_dir,
+                                                                                         tmp_path, monkeypatch):
+    """MLX's CUDA backend lacks quantized_matmul for some shapes; that cannot happen on the CPU, so it is
+    made to happen: the kernel raises as CUDA's does. The replica must not start and fail mid-request."""
+    import mlx.core as mx
+    import pytest
+
+    from cluster.kvcache.setup import UnsupportedCodec
+
+    def no_kernel(*args, **kwargs):
+        raise ValueError("[quantized_matmul] No kernel for shape 4x4x64x4, bits: 8")
+
+    model, tok = load_builtin("tiny-dense")
+    monkeypatch.setattr(mx, "quantized_matmul", no_kernel)
+    with pytest.raises(UnsupportedCodec) as e:
+        setup_cache(model, tok, resolve_model("tiny-dense", data_dir), CacheConfig(kv_codec="q8"), tmp_path)
+    assert "--kv-codec q8" in str(e.value) and "cpu backend" in str(e.value)
+    assert "--kv-codec native" in str(e.value) and "tq8" in str(e.value) and "No kernel" in str(e.value)
+    setup = setup_cache(model, tok, resolve_model("tiny-dense", data_dir), CacheConfig(kv_codec="native"), tmp_path)
+    assert setup.cache is not None  # the native codec needs no quantized kernel

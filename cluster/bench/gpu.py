@@ -1,0 +1,114 @@
+"""The GPU run: every in-process suite and the cache and batching benchmarks on a real GPU, in one command.
+
+    python3 -m cluster.cli bench gpu [--out DIR] [--parts tests,ttft,batch] [--ttft-models ...]
+                                     [--tokens 2048 8192 32768] [--batch-model bench-qwen3-8b]
+                                     [--concurrency 1 4 8 16 32]
+
+Run from the repository root on a machine whose MLX has a GPU backend (MLX's CUDA
+backend on Linux, Metal on a Mac). It needs no Ray, Redis or network:
+- tests: the suites that run in one process (engine, families, kvcache, store,
+  models), with the thread guard on, where a lazy array used on another thread
+  fails for real, as on Metal;
+- ttft:  `bench ttft` (cold, capture, RAM and disk hits) on realistic bf16 geometries;
+- batch: `bench batch --no-http` (ours against mlx-lm's BatchGenerator) on one.
+Logs and JSON go to --out (default $OUT, else ./gpu-run); summary.json says what
+passed. docs/gpu.md records each run. CI never runs this: it is not part of make test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cluster.bench.common import environment, parser
+
+SUITES = ["tests/engine", "tests/families", "tests/kvcache", "tests/store", "tests/models"]
+# In those folders, the modules that need a Redis server (none on the GPU machine).
+NEEDS_REDIS = ["tests/store/test_fleet_index.py", "tests/kvcache/test_fleet_index_e2e.py"]
+TTFT_MODELS = "bench-qwen3-8b,bench-qwen3-0.6b-bf16,bench-hybrid-8b,bench-gemma3-4b"
+
+
+def run_part(name: str, argv: list[str], out: Path, timeout_s: float) -> dict:
+    """Run one part as a child process, its output to out/<name>.log; what it returned and took."""
+    t0 = time.monotonic()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    print(f"gpu run: {name}: {'exit ' + str(rc) if rc != 'timeout' else 'timed out'} "
+          f"in {time.monotonic() - t0:.0f} s", flush=True)
+    return {"rc": rc, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def test_counts(log: Path) -> dict:
+    """pytest's final counts ("3 failed, 410 passed, 2 skipped in 95.1s") and the failed tests' ids."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", 
+                                                 text.rsplit("\n=", 1)[-1])}
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)))
+    return {**counts, "failed_tests": failed}
+
+
+def main(argv: list[str]) -> int:
+    p = parser(__doc__.splitlines()[0], __name__)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-run"), help="logs and JSON")
+    p.add_argument("--parts", default="tests,ttft,batch", help="which parts, comma-separated")
+    p.add_argument("--ttft-models", default=TTFT_MODELS, help="built-in models for bench ttft")
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768], help="bench ttft prompt lengths")
+    p.add_argument("--batch-model", default="bench-qwen3-8b", help="the model of bench batch")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="bench batch levels")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds each part may take")
+    p.add_argument("--pytest-args", default="", help="extra pytest arguments for the tests part")
+    a = p.parse_args(argv)
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.gpu:
+        print("bench gpu: MLX's default device here is the CPU; this run is for a GPU backend "
+              "(pip install 'mlx-fleet[cuda]' on Linux with CUDA 13, or a Mac)", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    parts, summary = a.parts.split(","), {"environment": environment(), "device_info": _device_info(),
+                                          "commit": _commit()}
+    py = sys.executable
+    bench = [py, "-m", "cluster.cli", "bench"]
+    data = ["--data-dir", str(a.data_dir)]
+    if "tests" in parts:
+        argv = [py, "-m", "pytest", *SUITES, *(f"--ignore={m}" for m in NEEDS_REDIS), "-q", "-p", "no:cacheprovider",
+                *a.pytest_args.split()]
+        summary["tests"] = run_part("tests", argv, a.out, a.timeout) | test_counts(a.out / "tests.log")
+    if "ttft" in parts:
+        argv = [*bench, "ttft", *data, "--models", a.ttft_models, "--tokens", *map(str, a.tokens),
+                "--json", str(a.out / "ttft.json")]
+        summary["ttft"] = run_part("ttft", argv, a.out, a.timeout)
+    if "batch" in parts:
+        argv = [*bench, "batch", *data, "--no-http", "--model", a.batch_model, "--prompt-tokens", "128",
+                "--rounds", "3", "--concurrency", *map(str, a.concurrency), "--json", str(a.out / "batch.json")]
+        summary["batch"] = run_part("batch", argv, a.out, a.timeout)
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("environment", "device_info")}, indent=2))
+    ok = all(summary[k]["rc"] == 0 for k in ("tests", "ttft", "batch") if k in summary)
+    return 0 if ok else 1
+
+
+def _device_info() -> dict:
+    import mlx.core as mx
+
+    try:
+        return {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in mx.device_info().items()}
+    except Exception as e:  # an older build: say so rather than fail the run
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _commit() -> str:
+    if os.environ.get("MLX_FLEET_COMMIT"):
+        return os.environ["MLX_FLEET_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
