@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -44,7 +45,8 @@ def test_ids_are_stable_across_processes_and_hash_seeds():
     code = ("from cluster.store.hashing import chain_ids; "
             "print(chain_ids(bytes(range(32)), list(range(100, 300)), 64)[-1].hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout.strip() for seed in ("0", "1", "12345")}
+                           env={"PYTHONHASHSEED": seed, "PATH": "",
+                                    **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}).stdout.strip() for seed in ("0", "1", "12345")}
     assert outs == {chain_ids(NS, TOKENS, 64)[-1].hex()}
 
 
