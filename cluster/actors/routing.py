@@ -159,15 +159,17 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity", rec
     """Bounded load, then the fastest predicted answer; ranked fallbacks for the router.
 
     `recent` (node id -> requests sent there lately) and `near` (ratio, seconds, share): the nodes under
-    the bound predicted within `ratio` x the fastest + `seconds` count as equally fast. Among them:
-    - if none restores more than `share` of the `prompt_len` tokens (a new conversation on a shared system
-      prompt), the one sent the fewest requests lately wins. Without it, a light load (where the
-      instantaneous bound never binds) sends every conversation that shares a system prompt to its first
-      holder, when pulling the prompt from it would cost the others a few milliseconds; the
-      conversations' later turns then follow their first one;
-    - else (a conversation's next turn), the one holding the most of the prompt itself wins: a prediction
-      a few percent off (a load figure a moment old) must not send a history away to be pulled or
-      recomputed."""
+    the bound predicted within `ratio` x the fastest + `seconds` are close. The equals among them are:
+    - all of them, if none restores more than `share` of the `prompt_len` tokens (a new conversation on a
+      shared system prompt: its holder saves the others only a pull);
+    - else those that hold the most of the prompt, within a block of each other (`holders`). A conversation's
+      own history, blocks beyond what the other close nodes hold, keeps it on its node: a prediction a few
+      percent off (a load figure a moment old) must not send it away to be pulled or recomputed. A hot
+      prompt that every close node holds is nobody's history.
+    Of the equals, the one sent the fewest requests lately wins, then the fastest. Without it a light load
+    (where the instantaneous bound never binds) sends every conversation on a shared system prompt to one
+    node: its first holder, and once the peers hold it too, whichever is predicted faster by a hair (a
+    RAM copy against a disk one, a load figure a moment old)."""
     total = sum(o.load for o in opts)
     cap = math.ceil(load_factor * (total + 1) / len(opts))
     eligible = [o for o in opts if o.load + 1 <= cap] or opts
@@ -182,11 +184,10 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity", rec
     if recent is not None:
         bound = chosen.ttft_s * (1 + near[0]) + near[1]
         close = [o for o in eligible if o.ttft_s <= bound]
-        if max(o.tokens for o in close) <= near[2] * prompt_len:  # little to lose: spread
-            spread = min(close, key=lambda o: (round(recent.get(o.node.node_id, 0.0), 3), key(o)))
-            moved, chosen = moved or spread is not chosen, spread
-        else:  # most of the prompt is cached somewhere close: the node that holds the most of it itself
-            chosen = max(close, key=lambda o: (0 if o.fetch else o.tokens, o.tokens, -o.ttft_s))
+        equals = close if max(o.tokens for o in close) <= near[2] * prompt_len else _equals(opts, close)
+        first = min(equals, key=key)  # the winner without the recent requests
+        chosen = min(equals, key=lambda o: (round(recent.get(o.node.node_id, 0.0), 3), key(o)))
+        moved = moved or chosen is not first
     if not any(o.tokens for o in opts):
         reason = "miss"
     else:
@@ -197,6 +198,27 @@ def choose(opts: list[Option], load_factor: float, policy: str = "affinity", rec
                      ranked=tuple(o.node.ray_node_id for o in ranked), tokens=chosen.tokens,
                      fetch=chosen.fetch or chosen.holder,
                      predicted_ttft_s=chosen.ttft_s)
+
+
+def _equals(opts: list[Option], close: list[Option]) -> list[Option]:
+    """Of the close options to a prompt mostly cached, those that are equals: holding the most of it, within
+    a block of each other.
+
+    - Held alike (within a block) by two nodes or more, close or not, the prefix is nobody's own history (a
+      hot system prompt the peers have pulled): every close node restoring as much, held or pulled, is an
+      equal (its prediction, the pull included, is in the band). Counting only the close holders would make
+      one holder's copy a history whenever the other holder is over the load bound.
+    - Else the node holding the most itself has blocks beyond what the others hold, its conversation's
+      history, and the equals are the close nodes holding as much themselves: that one alone, normally.
+    - If no close node holds any of it itself, the nodes that would pull the most."""
+    B = close[0].node.block_tokens
+    held = sorted((o.tokens for o in opts if o.fetch is None), reverse=True) + [0, 0]
+    if held[0] and held[1] >= held[0] - B:
+        alike = [o for o in close if o.tokens >= held[0] - B]
+        if alike:
+            return alike
+    top = max(close, key=lambda o: (0 if o.fetch else o.tokens, o.tokens))
+    return [o for o in close if (o.fetch is None) == (top.fetch is None) and o.tokens >= top.tokens - B]
 
 
 class Affinity:
@@ -212,6 +234,7 @@ class Affinity:
         self.reasons: Counter = Counter()
         self.lookup_s: deque = deque(maxlen=2000)
         self.recent: dict[str, tuple[float, float]] = {}  # node id -> (decayed requests sent, as of when)
+        self.clock = time.monotonic  # of that decay (a replay in simulated time sets its own)
 
     def track(self, node_id: str, delta: int) -> None:
         self.inflight[node_id] += delta
@@ -269,7 +292,7 @@ class Affinity:
 
     def _recent(self, nodes: list[ReplicaInfo]) -> dict[str, float]:
         """Requests this gateway sent to each node lately, decayed with `recent_half_life_s`."""
-        now = time.monotonic()
+        now = self.clock()
         decay = math.log(2) / self.cfg.recent_half_life_s
         out = {}
         for r in nodes:
@@ -280,7 +303,7 @@ class Affinity:
 
     def _sent(self, node_id: Optional[str]) -> None:
         if node_id is not None:
-            value, at = self.recent.get(node_id, (0.0, time.monotonic()))
+            value, at = self.recent.get(node_id, (0.0, self.clock()))
             self.recent[node_id] = (value + 1.0, at)
 
     async def _lookup(self, nodes: list[ReplicaInfo], prompt: list[int]) -> dict[str, Holding]:
