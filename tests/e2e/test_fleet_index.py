@@ -104,6 +104,38 @@ def test_a_hot_system_prompt_spreads_over_all_nodes_which_pull_it_from_its_holde
     assert counted == told
 
 
+def test_steady_clients_on_a_hot_prompt_spread_and_the_peers_serve_from_their_own_copies(fleet, http):
+    """Issue 27's workload: a hot system prompt warmed by one request, then 6 clients each sending 4 requests
+    one after another (a new question each time). Under this light load the bound never binds; the equal
+    holders share the conversations by the requests sent them lately, so no node takes the lion's share."""
+    system = {"role": "system", "content": "You are the help desk of a fleet of Macs; answer briefly. " * 70}
+    warm, _, _ = chat(http, [system, {"role": "user", "content": "Warm-up question?"}])
+    time.sleep(3)  # spilled to the holder's disk, announced
+
+    def client(c):
+        out = []
+        for k in range(4):
+            messages = [system, {"role": "user", "content": f"Client {c} asks question {k} about its Mac?"}]
+            r, text, usage = chat(http, messages)
+            out.append((messages, r, text, usage))
+        return out
+
+    with ThreadPoolExecutor(6) as pool:
+        results = [x for per in pool.map(client, range(6)) for x in per]
+    served = Counter(r.headers["x-fleet-node"] for _, r, _, _ in results)
+    assert len(served) == 3 and max(served.values()) / (len(results) / 3) <= 1.5, served
+    routes = [(r.headers["x-fleet-node"], route(r)) for _, r, _, _ in results]
+    assert all(int(x["local"]) + int(x["fetched"]) > 0 for _, x in routes), routes  # nobody recomputed it
+    holder = warm.headers["x-fleet-node"]
+    pulls = Counter(n for n, x in routes if int(x["fetched"]) > 0)
+    own = Counter(n for n, x in routes if n != holder and int(x["fetched"]) == 0)
+    assert sum(own.values()) > sum(pulls.values()), (own, pulls)  # a peer pulls it once or so, then has it
+    cold = [http.post("/v1/chat/completions", headers={"x-fleet-cache": "bypass"},
+                      json={"model": MODEL, "messages": m, "max_tokens": 8, "temperature": 0})
+            for m, _, _, _ in results[::3]]
+    assert [c.json()["choices"][0]["message"]["content"] for c in cold] == [t for _, _, t, _ in results[::3]]
+
+
 def block_file(fleet, node_id: str, messages: list, index: int):
     """The file of block `index` of this chat prompt on a node's disk (tokenized here as the gateway does)."""
     from transformers import AutoTokenizer
