@@ -40,7 +40,11 @@ equally fast, and the one this gateway sent the fewest requests lately (decayed,
 a light load it never binds; without this, every conversation sharing a system
 prompt would go to the prompt's first holder when the others could pull it for
 a few milliseconds. A conversation's next turn, most of which its node holds,
-stays with it, and so conversations spread by their first turns.
+stays with it, and so conversations spread by their first turns. For a prompt
+mostly cached, the close nodes holding the same prefix (within a block of each
+other) are equals and spread the same way: a hot prompt the peers have pulled
+is nobody's history, while a conversation's own blocks beyond the others' keep
+it home (`choose`, `_equals`).
 
 Reasons (x-fleet-route): `hit` (the fastest node overall, holding a prefix),
 `load` (the fastest was over the bound or a near tie went to a less used node, or the
