@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--block-tokens", type=int, default=None, help="tokens per KV block, 16-256 (default 64)")
     up.add_argument("--kv-codec", default=None, choices=["native", "q8", "q4", "tq8", "tq4", "tq3", "tq2"],
                     help="how K/V are kept: native (exact, the default), q8/q4 (mlx's quantized cache), tq8..tq2 (TurboQuant-packed in the tiers and between nodes)")
+    up.add_argument("--resume-at", default=None, choices=["auto", "chunk", "block"],
+                    help="prefill schedule that keeps cached answers bitwise the cold ones: chunk (exact on a GPU), "
+                         "block (finer reuse, exact on the CPU), auto (the default: chunk on a GPU, block on the CPU)")
     up.add_argument("--cache-ram-gb", type=float, default=None, help="RAM tier budget per replica in GiB (default 2)")
     up.add_argument("--cache-disk-gb", type=float, default=None,
                     help="disk tier budget per node in GiB (default: half the free space, at most 100)")
@@ -121,7 +124,7 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
     ram = int(a.cache_ram_gb * 2**30) if a.cache_ram_gb is not None else None
     disk = int(a.cache_disk_gb * 2**30) if a.cache_disk_gb is not None else None
     cache = {k: v for k, v in {"block_tokens": a.block_tokens, "kv_codec": a.kv_codec, "ram_bytes": ram,
-                               "disk_bytes": disk}.items() if v is not None}
+                               "disk_bytes": disk, "resume_at": a.resume_at}.items() if v is not None}
     if a.no_disk_cache:
         cache["disk"] = False
     if a.no_cache:

@@ -109,6 +109,10 @@ class CacheConfig(_Config):
         description="How attention K/V are kept: 'native' in the model dtype (exact); 'q8'/'q4' as mlx QuantizedKVCache (the model runs quantized; full-attention models only); 'tq8'/'tq4'/'tq3'/'tq2' TurboQuant-packed in the RAM and disk tiers and between nodes, decoded to the model dtype on restore (lossy, every family; see docs/turboquant.md).",
     )
     kv_group_size: int = Field(64, description="Quantization group size along head_dim for q8/q4.")
+    resume_at: Literal["auto", "chunk", "block"] = Field(
+        "auto",
+        description="The prefill schedule, which makes a cached answer bitwise the cold one (cluster/engine/schedule.py). 'chunk': prefill chunks cut at absolute multiples of prefill_step_tokens (whole blocks), hits resume only there and only blocks of complete chunks are kept; exact on every backend, as a GPU picks kernels by shape. 'block': chunks block end to block end, hits resume at any block end and reply blocks are kept; exact only where the backend computes a row the same whatever the rows beside it (the CPU, for models without sliding windows). 'auto': chunk on a GPU and for sliding-window models, block otherwise. Part of the model fingerprint.",
+    )
     ram_bytes: int = Field(
         2 << 30, ge=0,
         description="Byte budget of the replica's in-process RAM tier of encoded blocks (LRU).",

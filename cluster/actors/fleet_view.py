@@ -36,6 +36,7 @@ class ReplicaInfo:
     block_tokens: int = 0
     recurrent: bool = False
     boundary_only: bool = False
+    resume_every: int = 1  # a hit resumes only at multiples of this many tokens (its prefill schedule's chunk)
 
 
 def replica_info(lease: dict) -> ReplicaInfo:
@@ -45,7 +46,8 @@ def replica_info(lease: dict) -> ReplicaInfo:
                        node_name=lease.get("node_name", ""), ray_node_id=lease.get("ray_node_id", ""),
                        healthy=bool(lease.get("healthy", True)), namespace=bytes.fromhex(ns) if ns else None,
                        block_tokens=int(cache.get("block_tokens") or 0), recurrent=bool(cache.get("recurrent")),
-                       boundary_only=bool(cache.get("boundary_only")))
+                       boundary_only=bool(cache.get("boundary_only")),
+                       resume_every=max(1, int(cache.get("resume_every") or 1)))
 
 
 class FleetView:

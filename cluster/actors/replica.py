@@ -98,6 +98,7 @@ class ModelReplica:
 
         from cluster.engine.batch import batchable
         from cluster.engine.metal import configure_memory
+        from cluster.engine.schedule import Schedule
         from cluster.kvcache.setup import setup_cache
 
         from cluster.store.fingerprint import backend
@@ -106,7 +107,11 @@ class ModelReplica:
         self.backend = backend()  # what status shows; the fingerprint pins it too
         path = resolve_model(self.spec.source, Path(app.data_dir).expanduser())
         model, tokenizer = load(str(path))
-        cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link)
+        cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
+                            prefill_step=self.spec.prefill_step_tokens)
+        # How prefill is cut, with the cache on or off: a bypassed cold run is cut as a cached one is.
+        self.schedule = cache.cache.schedule if cache.cache is not None else \
+            Schedule.of(app.cache.resume_at, app.cache.block_tokens, self.spec.prefill_step_tokens)
         self.new_caches = cache.cache.new_caches if cache.cache is not None else (lambda: make_prompt_cache(model))
         can_batch, why = batchable(self.new_caches())
         if not can_batch and self.scheduler.batching:
@@ -135,7 +140,7 @@ class ModelReplica:
         if request.use_cache:
             session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
         else:
-            session = ColdSession(self.model, self.new_caches)
+            session = ColdSession(self.model, self.new_caches, self.schedule)
         seq = None
         try:
             seq = Sequence(prompt, request.params, self.model, self.tokenizer, session,
@@ -175,7 +180,7 @@ class ModelReplica:
         """The admission stage: the cached prefix is fetched here (and pulled from a peer if the plan says
         so), before the model thread sees the request."""
         if self.admission is None:
-            return ColdSession(self.model, self.new_caches)
+            return ColdSession(self.model, self.new_caches, self.schedule)
         prefetch = await self.admission.fetch_async(prompt, pull)
         return BlockSession(self.cache.cache, prompt, prefetch)
 
@@ -217,6 +222,7 @@ class ModelReplica:
         pc = self.cache.cache
         return {"enabled": True, "namespace": self.cache.fingerprint.short, "namespace_hex": pc.namespace.hex(),
                 "recurrent": pc.layout.has_recurrent, "boundary_only": pc.planner.boundary_only,
+                "resume_every": pc.schedule.chunk_tokens if pc.schedule.canonical else 1,
                 "admission_timeouts": self.admission.timeouts, "migration": self.migration_stats(),
                 "index": self.publisher.counters if self.publisher else None, **pc.stats()}
 

@@ -97,7 +97,8 @@ def restorable(info: ReplicaInfo, prompt_len: int, blocks: int, checkpoint: int)
     if info.recurrent:
         return checkpoint * B
     n = min(blocks * B, prompt_len - 1)
-    return n - n % B if info.boundary_only else max(n, 0)
+    n = n - n % B if info.boundary_only else max(n, 0)
+    return n - n % info.resume_every
 
 
 def prefill_speeds(nodes: list[ReplicaInfo], held: dict[str, Holding], default: float) -> dict[str, float]:

@@ -11,8 +11,8 @@ A checkpoint entry holds, per recurrent entry, its arrays at exactly the block e
 
 Restoring at position n:
   full/quantized: the first n tokens of the concatenated blocks, in a buffer
-                  with headroom (an exactly-sized KVCache copies itself on the
-                  first decode step);
+                  of the capacity the schedule names (a cold cache's at n on the
+                  canonical schedule, so the same attention kernels run);
   sliding:        the last min(n, W) tokens in temporal order, offset = n
                   (absolute: RoPE depends on it), _idx = len;
   recurrent:      the checkpoint taken at exactly n.
@@ -27,7 +27,6 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 
 from cluster.families.specs import FullAttention, LayerSpec, QuantizedAttention, Recurrent, SlidingWindow
 
-STEP = 256  # KVCache's own growth step
 
 # Payload codecs and their versions. A version bump means blocks made by the old
 # code must not be read by the new: the descriptor is part of the fingerprint
@@ -140,10 +139,6 @@ def payload_signature(spec: LayerSpec, cache, block_tokens: int) -> tuple[tuple,
 
 
 # -- restore ---------------------------------------------------------------
-def _capacity(n: int, room: int) -> int:
-    return ((n + max(room, 1) + STEP - 1) // STEP) * STEP
-
-
 def _token_prefix(parts: list[list[mx.array]], n: int, block_tokens: int, capacity: int) -> list[mx.array]:
     """Concatenate per-block arrays along tokens, keep the first n, pad to `capacity`."""
     m = -(-n // block_tokens)
@@ -161,21 +156,21 @@ def _token_prefix(parts: list[list[mx.array]], n: int, block_tokens: int, capaci
     return out
 
 
-def _restore_full(spec, parts, n: int, block_tokens: int, room: int):
-    keys, values = _token_prefix(parts, n, block_tokens, _capacity(n, room))
+def _restore_full(spec, parts, n: int, block_tokens: int, capacity: int):
+    keys, values = _token_prefix(parts, n, block_tokens, capacity)
     cache = KVCache()
     cache.keys, cache.values, cache.offset = keys, values, n
     return cache
 
 
-def _restore_quantized(spec: QuantizedAttention, parts, n: int, block_tokens: int, room: int):
-    arrays = _token_prefix(parts, n, block_tokens, _capacity(n, room))
+def _restore_quantized(spec: QuantizedAttention, parts, n: int, block_tokens: int, capacity: int):
+    arrays = _token_prefix(parts, n, block_tokens, capacity)
     cache = QuantizedKVCache(group_size=spec.group_size, bits=spec.bits)
     cache.keys, cache.values, cache.offset = tuple(arrays[:3]), tuple(arrays[3:]), n
     return cache
 
 
-def _restore_sliding(spec: SlidingWindow, parts, n: int, block_tokens: int, room: int):
+def _restore_sliding(spec: SlidingWindow, parts, n: int, block_tokens: int, capacity: int):
     keep = sliding_keep(spec, block_tokens)
     need_from = max(0, n - spec.window)
     pieces_k, pieces_v, covered_to = [], [], None
@@ -210,12 +205,14 @@ RESTORE: dict[type, Callable] = {
 
 
 def restore_entry(spec: LayerSpec, parts: list[Optional[list[mx.array]]], n: int, block_tokens: int,
-                  room: int, state: Optional[list[mx.array]] = None):
-    """Rebuild one cache entry at position n from per-block arrays (and, for recurrent, a checkpoint)."""
+                  capacity: int, state: Optional[list[mx.array]] = None):
+    """Rebuild one cache entry at position n from per-block arrays (and, for recurrent, a checkpoint).
+
+    `capacity`: the token capacity of a K/V buffer (Schedule.capacity; a sliding window's is its own)."""
     if isinstance(spec, Recurrent):
         if state is None or len(state) != spec.arrays:
             raise RestoreError(f"recurrent entry needs a checkpoint at exactly {n}")
         cache = ArraysCache(size=spec.arrays)
         cache.cache = list(state)
         return cache
-    return RESTORE[type(spec)](spec, parts, n, block_tokens, room)
+    return RESTORE[type(spec)](spec, parts, n, block_tokens, capacity)

@@ -7,22 +7,26 @@ and must suit every layer kind:
   W >= B that holds for any n, with W < B only at block ends;
 - recurrent layers: only where a checkpoint exists, i.e. block ends that were
   checkpointed. So a hybrid falls back to the last checkpoint before the hit.
+- on the canonical schedule (engine/schedule.py), only at its cut points.
 The largest n satisfying every layer wins.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from cluster.families.codecs import sliding_keep
+from cluster.engine.schedule import Schedule
 from cluster.families.specs import Layout, SlidingWindow
 from cluster.store.hashing import state_key
 
 
 class Planner:
-    def __init__(self, layout: Layout, block_tokens: int):
+    def __init__(self, layout: Layout, block_tokens: int, schedule: Optional[Schedule] = None):
         self.layout = layout
         self.B = block_tokens
+        self.schedule = schedule
         self.boundary_only = any(isinstance(s, SlidingWindow) and sliding_keep(s, self.B) < self.B
                                  for s in layout.layers)
 
@@ -35,7 +39,8 @@ class Planner:
         limit = min(hit * self.B, prompt_len - 1)
         if limit <= 0:
             return []
-        return sorted({limit, *(j * self.B for j in range(1, hit + 1) if j * self.B <= limit)}, reverse=True)
+        out = sorted({limit, *(j * self.B for j in range(1, hit + 1) if j * self.B <= limit)}, reverse=True)
+        return [n for n in out if self.schedule.resumable(n)] if self.schedule is not None else out
 
     def checkpoint_ends(self, prompt_len: int, hit: int) -> list[int]:
         """Block counts j whose end-of-block checkpoint could serve as the restore point."""

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from cluster.config import CacheConfig
+from cluster.engine.schedule import Schedule
 from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry
 from cluster.families.specs import Layout, Recurrent
 from cluster.kvcache.payload_codec import TurboQuantPayload
@@ -85,8 +86,9 @@ class Shapes:
 
 class PrefixCache:
     def __init__(self, layout: Layout, namespace: bytes, config: CacheConfig, tiers: Tiers, shapes: Shapes,
-                 codec: list, payload: Optional[TurboQuantPayload] = None):
+                 codec: list, payload: Optional[TurboQuantPayload] = None, schedule: Optional[Schedule] = None):
         self.layout = layout
+        self.schedule = schedule or Schedule.of("block", config.block_tokens, config.block_tokens)
         self.namespace = namespace
         self.B = config.block_tokens
         self.tiers = tiers
@@ -105,7 +107,7 @@ class PrefixCache:
         self.block_bytes = (_nbytes(self.kv_arrays) if payload is not None
                             else shapes.kv_bytes_per_token * config.block_tokens)
         self.described = layout.describe()
-        self.planner = Planner(layout, self.B)
+        self.planner = Planner(layout, self.B, self.schedule)
         self.every = checkpoint_interval(shapes.state_bytes, self.block_bytes,
                                          config.checkpoint_overhead)
         self.counters = CacheCounters()
@@ -134,9 +136,28 @@ class PrefixCache:
     def checkpoint_due(self, block_index: int, prompt_len: int) -> bool:
         """Every `every`-th block end, the prompt's last full block end (where the next turn
         resumes), and the last block end before the prompt's final token (where the very
-        same prompt resumes: generation needs one token left to prefill)."""
+        same prompt resumes: generation needs one token left to prefill).
+
+        On the canonical schedule, only cut points: every `every` blocks' worth of chunks, and the last
+        cut of the kept tokens (where the same prompt and its next turn resume)."""
+        end = (block_index + 1) * self.B
+        if self.schedule.canonical:
+            C, kept = self.schedule.chunk_tokens, self.schedule.kept_tokens(prompt_len)
+            return end % C == 0 and end <= kept and (end // C % -(-self.every * self.B // C) == 0 or end == kept)
         return ((block_index + 1) % self.every == 0 or block_index == prompt_len // self.B - 1
                 or block_index == (prompt_len - 1) // self.B - 1)
+
+    def kept_tokens(self, prompt_len: int) -> int:
+        """Tokens [0, kept) of a sequence with this prompt whose blocks may serve a later hit.
+
+        The schedule's rule (Schedule.kept_tokens), and on the block schedule, for a model with sliding
+        windows, the prompt's prefilled tokens only: a decode step attends over the window's ring, rotated
+        once it wraps, so it sums the same terms in another order than a prefill chunk does, and a reply's
+        blocks (the last prompt token's too) differ from a cold prefill of them in the last bits."""
+        kept = self.schedule.kept_tokens(prompt_len)
+        if not self.schedule.canonical and self.layout.windows():
+            kept = min(kept, prompt_len - 1)
+        return kept
 
     # -- restore (model thread) ------------------------------------------------------
     def restore(self, prompt: list[int], prefetch: Prefetch) -> tuple[list, int, list[bytes]]:
@@ -167,8 +188,8 @@ class PrefixCache:
         if self.layout.has_recurrent:
             block = prefetch.blocks[state_key(prefetch.ids[n // self.B - 1])]
             state = [[to_mlx(a) for a in arrays] for arrays in block.entries]
-        room = prompt_len - n + 256
-        caches = [restore_entry(spec, parts[e], n, self.B, room, state[e] if state else None)
+        capacity = self.schedule.capacity(n, prompt_len)
+        caches = [restore_entry(spec, parts[e], n, self.B, capacity, state[e] if state else None)
                   for e, spec in enumerate(self.layout.layers)]
         mx.eval([c.state for c in caches])
         return caches
@@ -221,7 +242,8 @@ class PrefixCache:
             self._packer.submit(lambda: None).result(timeout_s)
 
     def stats(self) -> dict:
-        out = {"block_tokens": self.B, "checkpoint_every": self.every, **self.counters.as_dict(),
+        out = {"block_tokens": self.B, "checkpoint_every": self.every, "resume_at": self.schedule.mode,
+               "chunk_tokens": self.schedule.chunk_tokens, **self.counters.as_dict(),
                **self.tiers.stats()}
         if self.codec_quality is not None:
             out["codec_quality"] = self.codec_quality

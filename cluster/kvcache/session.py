@@ -1,9 +1,10 @@
 """BlockSession: the engine's CacheSession backed by a PrefixCache.
 
-It restores the prefix the admission stage fetched, makes prefill chunks stop where a
-recurrent checkpoint is due, and after every forward stores each newly
-completed block, prompt or generated, before a sliding window can rotate its
-tokens out. During decode it keeps (by reference, no copy) the recurrent
+It restores the prefix the admission stage fetched, cuts prefill chunks where the
+schedule says (engine/schedule.py; on the block schedule also where a recurrent
+checkpoint is due), and after every forward stores each newly completed block
+the schedule keeps (prompt or generated), before a sliding window can rotate
+its tokens out. During decode it keeps (by reference, no copy) the recurrent
 state at the latest block end, and stores it when the request ends, so the
 next turn of a chat can resume right after this reply.
 """
@@ -41,10 +42,11 @@ class BlockSession:
         return caches, n
 
     def next_stop(self, start: int, limit: int, step: int) -> int:
-        """Chunks run block end to block end (start is always one, or the limit), and a
-        hybrid's chunk also ends at every block end where a checkpoint is due."""
-        end = min(start + max(self.B, step - step % self.B), limit)
-        if self.pc.layout.has_recurrent:
+        """The schedule's cut (engine/schedule.py). On the block schedule a hybrid's chunk also ends at
+        every block end where a checkpoint is due; on the canonical one checkpoints are due at cuts only."""
+        schedule = self.pc.schedule
+        end = schedule.next_stop(start, limit, step)
+        if self.pc.layout.has_recurrent and not schedule.canonical:
             for j in range(start // self.B + 1, end // self.B + 1):
                 if self.pc.checkpoint_due(j - 1, len(self.prompt)):
                     return j * self.B
@@ -54,11 +56,17 @@ class BlockSession:
         self.fed = fed
         try:
             self._store_blocks(caches)
-            if self.pc.layout.has_recurrent and fed and len(fed) % self.B == 0:
+            if self.pc.layout.has_recurrent and fed and len(fed) % self.B == 0 and len(fed) <= self.kept:
                 self._checkpoint(caches, len(fed) // self.B - 1)
         except CaptureError as e:  # never fail a request because a block could not be kept
             self.pc.counters.capture_errors += 1
             log.warning("could not capture a block: %s", e)
+
+    @property
+    def kept(self) -> int:
+        """Tokens whose blocks (and checkpoints) may serve a later hit (PrefixCache.kept_tokens): on the
+        canonical schedule, those of the prompt's complete chunks only."""
+        return self.pc.kept_tokens(len(self.prompt))
 
     def close(self, caches: list, fed: list[int], completed: bool) -> None:
         """Keep the recurrent state at the last block end of prompt + reply, for the next turn."""
@@ -70,7 +78,7 @@ class BlockSession:
 
     # -----------------------------------------------------------------------
     def _store_blocks(self, caches: list) -> None:
-        full = len(self.fed) // self.B
+        full = min(len(self.fed), self.kept) // self.B
         if len(self.ids) < full:
             parent = self.ids[-1] if self.ids else None
             self.ids += chain_ids(self.pc.namespace, self.fed[: full * self.B], self.B, parent,

@@ -14,6 +14,7 @@ from typing import Optional
 import mlx.core as mx
 
 from cluster.config import CacheConfig
+from cluster.engine.schedule import Schedule
 from cluster.families.codecs import AFFINE, capture_block, codec_descriptor, new_cache, payload_signature
 from cluster.families.registry import UnsupportedModel, layout_for
 from cluster.families.specs import Layout, Recurrent
@@ -84,8 +85,11 @@ def probe_block(model, layout: Layout, block_tokens: int) -> list:
 
 
 def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path,
-                store_link: Optional[StoreLink] = None, listener=None) -> CacheSetup:
-    """`store_link` is the node's disk tier (None: RAM only); `listener` receives tier events."""
+                store_link: Optional[StoreLink] = None, listener=None,
+                schedule: Optional[Schedule] = None, prefill_step: int = 512) -> CacheSetup:
+    """`store_link` is the node's disk tier (None: RAM only); `listener` receives tier events. The prefill
+    schedule is `schedule` if given, else config.resume_at's for this model with `prefill_step`-token chunks
+    (engine/schedule.py); the cache's `schedule` says which."""
     if not config.enabled:
         return CacheSetup(None, None, "disabled by configuration")
     try:
@@ -94,19 +98,22 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
         log.warning("%s; serving without KV block reuse", e)
         return CacheSetup(None, None, str(e))
     shapes = probe_codec(model, layout, config)
+    schedule = schedule or Schedule.of(config.resume_at, config.block_tokens, prefill_step, bool(layout.windows()))
     codec = codec_descriptor(config.kv_codec, config.kv_group_size)
     fp = compute_fingerprint(model_dir, dtype=shapes.dtype, codec=codec, block_tokens=config.block_tokens,
-                             chat_template=getattr(tokenizer, "chat_template", None), cache_dir=cache_dir)
+                             chat_template=getattr(tokenizer, "chat_template", None), cache_dir=cache_dir,
+                             schedule=schedule.fingerprint())
     disk = None
     if store_link is not None:
         disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes, config.store_timeout_s,
                           config.read_timeout_s, Breaker(config.breaker_failures, config.breaker_cooldown_s))
     tiers = Tiers(config.ram_bytes, fp.namespace, disk, listener)
     payload = payload_codec(config.kv_codec, layout, shapes.kv, fp.namespace)
-    cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec, payload)
+    cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec, payload, schedule)
     if payload is not None:
         cache.codec_quality = payload.quality(probe_block(model, layout, config.block_tokens))
         log.info("KV codec %s on this model's own K/V: %s", config.kv_codec, cache.codec_quality)
-    log.info("KV block cache for %s: namespace %s, layout %s, %d B/token, checkpoint every %d blocks",
-             layout.family, fp.short, layout.describe(), shapes.kv_bytes_per_token, cache.every)
+    log.info("KV block cache for %s: namespace %s, layout %s, %d B/token, checkpoint every %d blocks, "
+             "resume at %s (%d-token chunks)", layout.family, fp.short, layout.describe(),
+             shapes.kv_bytes_per_token, cache.every, schedule.mode, schedule.chunk_tokens)
     return CacheSetup(cache, fp)

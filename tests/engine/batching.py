@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from cluster.engine.events import TERMINAL, Delta
+from cluster.engine.schedule import on_gpu
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
+
+# Tests that a batched row answers as the same request alone. On a GPU, MLX picks its kernels by the batch's
+# shape, so a row rounds differently in the last bits and greedy tokens part near ties: measured with
+# `mlx-fleet bench agreement` (docs/gpu.md), and not a property a GPU gives until a deterministic mode exists.
+solo_equals_batched = pytest.mark.skipif(
+    on_gpu(), reason="on a GPU a batched row is not bitwise its solo run (docs/gpu.md, bench agreement)")
 
 
 def tokens(events) -> list[int]:

@@ -31,8 +31,8 @@ def test_full_attention_round_trip(n):
     spec = FullAttention()
     cache = filled(spec, 112)
     parts = [capture_block(spec, cache, j * B, (j + 1) * B, B) for j in range(112 // B)]
-    out = restore_entry(spec, parts, n, B, room=10)
-    assert isinstance(out, KVCache) and out.offset == n and out.keys.shape[2] >= n + 10
+    out = restore_entry(spec, parts, n, B, capacity=256)
+    assert isinstance(out, KVCache) and out.offset == n and out.keys.shape[2] == out.values.shape[2] == 256
     assert mx.array_equal(out.keys[..., :n, :], cache.keys[..., :n, :])
     assert mx.array_equal(out.values[..., :n, :], cache.values[..., :n, :])
 
@@ -42,8 +42,9 @@ def test_quantized_round_trip():
     cache = filled(spec, 96)
     parts = [capture_block(spec, cache, j * B, (j + 1) * B, B) for j in range(6)]
     assert len(parts[0]) == 6  # packed, scales, biases for K and V
-    out = restore_entry(spec, parts, 80, B, room=1)
+    out = restore_entry(spec, parts, 80, B, capacity=256)
     assert isinstance(out, QuantizedKVCache) and out.offset == 80 and (out.bits, out.group_size) == (8, 64)
+    assert all(a.shape[2] == 256 for a in (*out.keys, *out.values))
     for got, want in zip((*out.keys, *out.values), (*cache.keys, *cache.values)):
         assert mx.array_equal(got[..., :80, :], want[..., :80, :])
 
@@ -58,7 +59,7 @@ def test_sliding_round_trip_holds_the_window_in_order(window, n):
     for j in range(128 // B):  # capture each block right after the chunk that made it
         cache.update_and_fetch(full[..., j * B:(j + 1) * B, :], full[..., j * B:(j + 1) * B, :] + 1)
         parts.append(capture_block(spec, cache, j * B, (j + 1) * B, B))
-    out = restore_entry(spec, parts, n, B, room=1)
+    out = restore_entry(spec, parts, n, B, capacity=256)
     lo = max(0, n - window)
     assert isinstance(out, RotatingKVCache) and out.offset == n and out._idx == n - lo
     assert mx.array_equal(out.keys, full[..., lo:n, :])
@@ -82,10 +83,10 @@ def test_recurrent_restores_only_its_own_checkpoint():
     cache = new_cache(spec)
     cache[0], cache[1] = mx.ones((1, 3, 8)), mx.zeros((1, 2, 4, 4))
     state = capture_state(spec, cache)
-    out = restore_entry(spec, [], 64, B, room=1, state=state)
+    out = restore_entry(spec, [], 64, B, capacity=256, state=state)
     assert all(mx.array_equal(a, b) for a, b in zip(out.cache, cache.cache))
     with pytest.raises(RestoreError):
-        restore_entry(spec, [], 64, B, room=1, state=None)
+        restore_entry(spec, [], 64, B, capacity=256, state=None)
 
 
 def test_missing_block_is_an_error_not_a_short_cache():
@@ -94,4 +95,4 @@ def test_missing_block_is_an_error_not_a_short_cache():
     parts = [capture_block(spec, cache, j * B, (j + 1) * B, B) for j in range(4)]
     parts[2] = None
     with pytest.raises(RestoreError):
-        restore_entry(spec, parts, 60, B, room=1)
+        restore_entry(spec, parts, 60, B, capacity=256)

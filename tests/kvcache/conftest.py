@@ -17,7 +17,9 @@ from cluster.kvcache.session import BlockSession
 from cluster.kvcache.setup import setup_cache
 from cluster.models.resolve import resolve_model
 
-TOLERANCE = {mx.float32: 1e-3, mx.float16: 5e-2, mx.bfloat16: 0.25}
+# A wrong snapshot must move the logits by more than this (negative controls): a cached run that is right
+# moves them by nothing at all (assert_same is bitwise, on every backend, with the replica's schedule).
+WRONG = {mx.float32: 1e-2, mx.float16: 0.5, mx.bfloat16: 2.5}
 
 
 @dataclass
@@ -29,14 +31,16 @@ class Run:
 
 
 class Harness:
-    def __init__(self, model, tokenizer, path, tmp, block_tokens=32, kv_codec="native", prefill_step=64):
+    def __init__(self, model, tokenizer, path, tmp, block_tokens=32, kv_codec="native", prefill_step=64,
+                 resume_at="auto"):
         self.model, self.tok = model, tokenizer
-        cfg = CacheConfig(block_tokens=block_tokens, kv_codec=kv_codec, ram_bytes=1 << 30)
-        self.setup = setup_cache(model, tokenizer, path, cfg, tmp)
+        cfg = CacheConfig(block_tokens=block_tokens, kv_codec=kv_codec, ram_bytes=1 << 30, resume_at=resume_at)
+        self.setup = setup_cache(model, tokenizer, path, cfg, tmp, prefill_step=prefill_step)
         self.pc = self.setup.cache
+        self.schedule = self.pc.schedule
         self.B = block_tokens
         self.step = prefill_step
-        self.tol = TOLERANCE[getattr(mx, self.pc.dtype)]
+        self.wrong = WRONG[getattr(mx, self.pc.dtype)]
 
     def _run(self, prompt, max_tokens, session) -> Run:
         seq = Sequence(list(prompt), GenerationParams(max_tokens=max_tokens, record_logits=True),
@@ -49,7 +53,7 @@ class Harness:
                    started.cached_tokens, events[-1])
 
     def cold(self, prompt, max_tokens=12) -> Run:
-        return self._run(prompt, max_tokens, ColdSession(self.model, self.pc.new_caches))
+        return self._run(prompt, max_tokens, ColdSession(self.model, self.pc.new_caches, self.schedule))
 
     def warm(self, prompt, max_tokens=12) -> Run:
         return self._run(prompt, max_tokens, self.session(prompt))
@@ -58,13 +62,31 @@ class Harness:
         """The admission stage (lookups, reads, checks), then a session restoring what it fetched."""
         return BlockSession(self.pc, list(prompt), Admission(self.pc).fetch(list(prompt)))
 
+    def resume_point(self, held: int) -> int:
+        """Where a hit resumes with tokens [0, held) kept: the last block end there that the schedule
+        resumes at (every block end, or on the canonical schedule every chunk end)."""
+        step = self.schedule.chunk_tokens if self.schedule.canonical else self.B
+        return held - held % step
+
+    def kept_after(self, first_prompt_len: int, fed: int) -> int:
+        """Tokens of an earlier sequence (a `first_prompt_len`-token prompt, `fed` tokens in all with its
+        reply) whose blocks are kept for a later hit."""
+        return min(fed, self.pc.kept_tokens(first_prompt_len))
+
+    def hit_after(self, prompt_len: int, first_len: int, fed: int) -> int:
+        """Where a `prompt_len`-token prompt resumes after an earlier sequence that shares all of it held its
+        own `first_len`-token prompt and `fed` tokens in all: the Planner's rule on the kept blocks (models
+        without recurrent layers)."""
+        return self.pc.planner.best(prompt_len, self.kept_after(first_len, fed) // self.B, set())
+
     def run_with(self, prompt, session, max_tokens=12) -> Run:
         return self._run(prompt, max_tokens, session)
 
     def assert_same(self, warm: Run, cold: Run) -> None:
+        """Bitwise: the same tokens, and every logit of every step the same bits."""
         assert warm.tokens == cold.tokens
         diff = mx.abs(warm.logits.astype(mx.float32) - cold.logits.astype(mx.float32)).max().item()
-        assert diff <= self.tol, f"logits differ by {diff} > {self.tol}"
+        assert mx.array_equal(warm.logits, cold.logits).item(), f"logits differ by up to {diff}"
 
     def logit_gap(self, a: Run, b: Run) -> float:
         n = min(a.logits.shape[0], b.logits.shape[0])
@@ -97,11 +119,12 @@ def disk_harness(load_builtin, data_dir, tmp_path):
         h = Harness.__new__(Harness)
         h.model, h.tok, h.B, h.step = model, tok, kw.get("block_tokens", 32), kw.get("prefill_step", 64)
         cfg = CacheConfig(block_tokens=h.B, ram_bytes=ram_bytes, spill_queue_bytes=kw.get("queue", 256 << 20),
-                          kv_codec=kw.get("kv_codec", "native"))
+                          kv_codec=kw.get("kv_codec", "native"), resume_at=kw.get("resume_at", "auto"))
         h.setup = setup_cache(model, tok, resolve_model(name, data_dir), cfg, tmp_path, store_link=LocalLink(store),
-                              listener=events.append if events is not None else None)
+                              listener=events.append if events is not None else None, prefill_step=h.step)
         h.pc = h.setup.cache
-        h.tol = TOLERANCE[getattr(mx, h.pc.dtype)]
+        h.schedule = h.pc.schedule
+        h.wrong = WRONG[getattr(mx, h.pc.dtype)]
         h.store = store
         return h
     return make

@@ -14,7 +14,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.models.catalog import BUILTINS
 from cluster.store.hashing import chain_ids, state_key
-from tests.engine.batching import serve_all, tokens
+from tests.engine.batching import serve_all, solo_equals_batched, tokens
 from tests.kvcache.conftest import prompt_of
 
 TINY = sorted(n for n in BUILTINS if n.startswith("tiny-"))
@@ -41,6 +41,7 @@ def batched(h, prompts, max_tokens) -> list[Sequence]:
             for p, n in zip(prompts, max_tokens)]
 
 
+@solo_equals_batched
 @pytest.mark.parametrize("name", TINY)
 def test_batched_requests_with_different_cached_prefixes_match_cold_runs(harness, scheduler, name):
     h = harness(name)
@@ -51,10 +52,13 @@ def test_batched_requests_with_different_cached_prefixes_match_cold_runs(harness
     seqs = batched(h, prompts, MAX_TOKENS)
     events = serve_all(s, seqs)
     cached = [next(e for e in ev if isinstance(e, Started)).cached_tokens for ev in events]
-    assert [c > 0 for c in cached] == [k >= h.B for k in SEEDED], cached
+    # What the seeding runs (k tokens, 2 generated) kept, where the schedule resumes: every seeded block on the
+    # block schedule, complete 64-token chunks only on the canonical one.
+    kept = [h.resume_point(min(len(p) - 1, h.kept_after(k, k + 1))) if k else 0 for p, k in zip(prompts, SEEDED)]
+    assert [c > 0 for c in cached] == [k > 0 for k in kept] and any(kept), (cached, kept)
     assert [tokens(e) for e in events] == [r.tokens for r in cold]
     gap = s.run(lambda: max(mx.abs(mx.stack(q.logits) - r.logits).max().item() for q, r in zip(seqs, cold)))
-    assert gap <= h.tol
+    assert gap <= 1e-3  # batched rows: not bitwise yet (issue 25's deterministic mode); float32 models
     assert s.stats()["mean_batch"] > 1
 
 
@@ -75,5 +79,6 @@ def test_batched_capture_stores_the_blocks_solo_capture_stores(harness, schedule
     for p in prompts:
         for block_id in chain_ids(solo.pc.namespace, p[: (len(p) - 1) // solo.B * solo.B], solo.B):
             in_prompts |= {block_id, state_key(block_id)}
-    assert in_prompts & set(want) and set(want) - in_prompts  # both kinds are compared
+    replies_kept = solo.pc.kept_tokens(100) > 100  # not on the canonical schedule (engine/schedule.py)
+    assert in_prompts & set(want) and (set(want) - in_prompts or not replies_kept)  # both kinds are compared
     assert {k: got[k] for k in in_prompts if k in want} == {k: want[k] for k in in_prompts if k in want}

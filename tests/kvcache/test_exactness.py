@@ -6,14 +6,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 
+from cluster.kvcache.setup import UnsupportedCodec
 from tests.kvcache.conftest import prompt_of
 
 MODELS = ["tiny-dense", "tiny-swa", "tiny-hybrid", "tiny-gemma4", "tiny-next"]
 B = 32
 
 
-def mlx_lm_greedy(model, prompt, n):
-    return [t for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)), range(n))]
+def mlx_lm_greedy(model, prompt, n, prefill_step):
+    """mlx-lm's own greedy tokens, prefilled in the same chunks as a cold run here (a GPU's kernels depend on
+    the shapes): from 0, `prefill_step` at a time, the last token alone."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, prefill_step_size=prefill_step)
+    return [t for t, _ in zip((t for t, _ in steps), range(n))]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -25,7 +29,7 @@ def test_extended_prompt_resumes_exactly(harness, name, length):
     warm, cold = h.warm(prompt), h.cold(prompt)
     assert warm.cached >= 128 and warm.cached % B == 0 or warm.cached == length - 1
     h.assert_same(warm, cold)
-    assert warm.tokens == mlx_lm_greedy(h.model, prompt, 12)
+    assert warm.tokens == mlx_lm_greedy(h.model, prompt, 12, h.schedule.chunk_tokens)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -52,13 +56,20 @@ def test_prompt_many_windows_long(harness, name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_after_the_window_wrapped_during_decode(harness, name):
-    """Blocks captured during a 150-token decode (the 64-slot rings wrap twice) resume exactly."""
+    """A 150-token decode (the 64-slot rings wrap twice), then the next turn. Where replies' blocks are kept
+    (the block schedule, no sliding window) it resumes inside the reply; elsewhere at the prompt's kept
+    blocks. Bitwise either way."""
     h = harness(name, block_tokens=B)
     prompt = prompt_of(90)
     first = h.warm(prompt, max_tokens=150)
     follow = prompt + first.tokens + prompt_of(40, salt=1)
     warm, cold = h.warm(follow), h.cold(follow)
-    assert warm.cached >= 192, warm.cached  # into the generated part
+    kept = h.resume_point(h.kept_after(90, 90 + 149))
+    if h.pc.layout.has_recurrent:  # at a checkpoint: every few block ends of the reply, and its last
+        assert 192 <= warm.cached <= kept or warm.cached == kept, warm.cached
+    else:
+        assert warm.cached == kept, warm.cached
+    assert warm.cached >= 192 or h.pc.kept_tokens(90) < 90  # into the generated part, where it is kept
     h.assert_same(warm, cold)
 
 
@@ -73,7 +84,7 @@ def test_second_turn_of_a_chat_resumes_after_the_reply(harness, name):
     turn2 = list(turn1) + reply.tokens + rest
     warm, cold = h.warm(turn2), h.cold(turn2)
     fed = len(turn1) + len(reply.tokens) - 1  # the last generated token was never fed
-    assert warm.cached == (fed // B) * B, (warm.cached, fed)
+    assert warm.cached == h.resume_point(h.kept_after(len(turn1), fed)), (warm.cached, fed)
     h.assert_same(warm, cold)
 
 
@@ -90,7 +101,10 @@ def test_property_random_lengths_and_split_points(harness, name, length, split, 
 
 
 def test_quantized_codec_restores_exactly(harness):
-    h = harness("tiny-dense", block_tokens=B, kv_codec="q8")
+    try:
+        h = harness("tiny-dense", block_tokens=B, kv_codec="q8")
+    except UnsupportedCodec as e:  # refused at start, with what to use instead (tests/kvcache/test_setup.py)
+        pytest.skip(str(e))
     prompt = prompt_of(230)
     h.warm(prompt[:150], max_tokens=2)
     warm, cold = h.warm(prompt), h.cold(prompt)

@@ -42,7 +42,7 @@ class Node:
     def info(self) -> ReplicaInfo:
         pc = self.h.pc
         return ReplicaInfo("m", self.id, self.id, "", True, pc.namespace, B, pc.layout.has_recurrent,
-                           pc.planner.boundary_only)
+                           pc.planner.boundary_only, pc.schedule.chunk_tokens if pc.schedule.canonical else 1)
 
     def holding(self, prompt):
         ids = chain_ids(self.h.pc.namespace, prompt, B)[: -(-(len(prompt) - 1) // B)]
@@ -76,7 +76,8 @@ def test_the_index_predicts_exactly_what_the_node_restores(node, name):
         predicted = restorable(a.info(), len(probe), h.hit, h.ck) if h else 0
         assert predicted == Admission(a.h.pc).fetch(list(probe)).n, (name, len(probe))
     h = a.holding(prompt)["A"]
-    assert h.hit == h.ram == h.disk == len(prompt) // B  # every block in both tiers
+    kept = min(len(prompt) + 1, a.h.pc.kept_tokens(len(prompt)))  # prompt and reply, or complete chunks
+    assert h.hit == h.ram == h.disk == kept // B  # every kept block in both tiers
     if a.h.pc.layout.has_recurrent:
         assert 0 < h.ck <= h.hit and h.ck_disk == h.ck  # hybrids resume only at a checkpoint
 

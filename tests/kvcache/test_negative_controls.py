@@ -39,7 +39,7 @@ def test_full_attention_offset_plus_one_is_detected(harness):
                 c.offset += 1
 
     bad, cold = tampered_run(h, prompt, shift), h.cold(prompt)
-    assert h.logit_gap(bad, cold) > 10 * h.tol
+    assert h.logit_gap(bad, cold) > h.wrong
 
 
 def test_sliding_window_relative_offset_is_detected(harness):
@@ -53,7 +53,7 @@ def test_sliding_window_relative_offset_is_detected(harness):
                 c.offset = c.keys.shape[2]  # the classic bug: buffer length instead of absolute position
 
     bad, cold = tampered_run(h, prompt, relative), h.cold(prompt)
-    assert h.logit_gap(bad, cold) > 10 * h.tol
+    assert h.logit_gap(bad, cold) > h.wrong
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-next"])
@@ -73,7 +73,7 @@ def test_recurrent_checkpoint_from_the_wrong_position_is_detected(harness, name)
                 c.cache = [to_mlx(a) for a in arrays]
 
     bad, cold = tampered_run(h, prompt, earlier_state), h.cold(prompt)
-    assert h.logit_gap(bad, cold) > 10 * h.tol  # tokens alone may not show it
+    assert h.logit_gap(bad, cold) > h.wrong  # tokens alone may not show it
 
 
 def corrupt_block(h, key, how):
@@ -94,10 +94,11 @@ def test_damaged_block_is_a_miss_with_a_counter_and_the_answer_is_still_right(ha
     ids = chain_ids(h.pc.namespace, prompt, B)
     corrupt_block(h, ids[4], how)
     warm, cold = h.warm(prompt), h.cold(prompt)
-    assert warm.cached == 4 * B  # blocks 0..3 still good
+    assert warm.cached == h.resume_point(4 * B)  # blocks 0..3 still good
     assert h.pc.counters.corrupt[reason] == 1
     h.assert_same(warm, cold)
-    assert h.warm(prompt).cached == 224  # the bad block was replaced by the recomputed one
+    # The bad block was replaced by the recomputed one: a full hit again (224; 192 on the canonical schedule).
+    assert h.warm(prompt).cached == h.resume_point(min(249, h.pc.kept_tokens(250)))
 
 
 def test_foreign_block_under_our_id_is_refused(harness):
