@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "turboquant": "cluster.bench.turboquant",
     "batch": "cluster.bench.batch",
     "gpu": "cluster.bench.gpu",
+    "agreement": "cluster.bench.agreement",
 }
 
 

@@ -1,8 +1,9 @@
 """The GPU run: every in-process suite and the cache and batching benchmarks on a real GPU, in one command.
 
-    python3 -m cluster.cli bench gpu [--out DIR] [--parts tests,ttft,batch] [--ttft-models ...]
-                                     [--tokens 2048 8192 32768] [--batch-model bench-qwen3-8b]
-                                     [--concurrency 1 4 8 16 32]
+    python3 -m cluster.cli bench gpu [--out DIR] [--parts tests,ttft,batch,agreement] [--ttft-models ...]
+                                     [--tokens 2048 8192 32768] [--resume-at chunk block]
+                                     [--batch-model bench-qwen3-8b] [--concurrency 1 4 8 16 32]
+                                     [--agreement-model bench-qwen3-0.6b-bf16] [--agreement-prompts 200]
 
 Run from the repository root on a machine whose MLX has a GPU backend (MLX's CUDA
 backend on Linux, Metal on a Mac). It needs no Ray, Redis or network:
@@ -10,7 +11,8 @@ backend on Linux, Metal on a Mac). It needs no Ray, Redis or network:
   models), with the thread guard on, where a lazy array used on another thread
   fails for real, as on Metal;
 - ttft:  `bench ttft` (cold, capture, RAM and disk hits) on realistic bf16 geometries;
-- batch: `bench batch --no-http` (ours against mlx-lm's BatchGenerator) on one.
+- batch: `bench batch --no-http` (ours against mlx-lm's BatchGenerator) on one;
+- agreement: `bench agreement` (batched greedy answers against the same requests alone).
 Logs and JSON go to --out (default $OUT, else ./gpu-run); summary.json says what
 passed. docs/gpu.md records each run. CI never runs this: it is not part of make test.
 """
@@ -58,10 +60,14 @@ def test_counts(log: Path) -> dict:
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-run"), help="logs and JSON")
-    p.add_argument("--parts", default="tests,ttft,batch", help="which parts, comma-separated")
+    p.add_argument("--parts", default="tests,ttft,batch,agreement", help="which parts, comma-separated")
     p.add_argument("--ttft-models", default=TTFT_MODELS, help="built-in models for bench ttft")
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768], help="bench ttft prompt lengths")
+    p.add_argument("--resume-at", nargs="+", default=["chunk", "block"], choices=["auto", "chunk", "block"],
+                   help="bench ttft's prefill schedules (one row each)")
     p.add_argument("--batch-model", default="bench-qwen3-8b", help="the model of bench batch")
+    p.add_argument("--agreement-model", default="bench-qwen3-0.6b-bf16", help="the model of bench agreement")
+    p.add_argument("--agreement-prompts", type=int, default=200, help="bench agreement's prompts")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="bench batch levels")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each part may take")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments for the tests part")
@@ -84,15 +90,19 @@ def main(argv: list[str]) -> int:
         summary["tests"] = run_part("tests", argv, a.out, a.timeout) | test_counts(a.out / "tests.log")
     if "ttft" in parts:
         argv = [*bench, "ttft", *data, "--models", a.ttft_models, "--tokens", *map(str, a.tokens),
-                "--json", str(a.out / "ttft.json")]
+                "--resume-at", *a.resume_at, "--json", str(a.out / "ttft.json")]
         summary["ttft"] = run_part("ttft", argv, a.out, a.timeout)
     if "batch" in parts:
         argv = [*bench, "batch", *data, "--no-http", "--model", a.batch_model, "--prompt-tokens", "128",
                 "--rounds", "3", "--concurrency", *map(str, a.concurrency), "--json", str(a.out / "batch.json")]
         summary["batch"] = run_part("batch", argv, a.out, a.timeout)
+    if "agreement" in parts:
+        argv = [*bench, "agreement", *data, "--model", a.agreement_model, "--prompts", str(a.agreement_prompts),
+                "--json", str(a.out / "agreement.json")]
+        summary["agreement"] = run_part("agreement", argv, a.out, a.timeout)
     (a.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("environment", "device_info")}, indent=2))
-    ok = all(summary[k]["rc"] == 0 for k in ("tests", "ttft", "batch") if k in summary)
+    ok = all(summary[k]["rc"] == 0 for k in ("tests", "ttft", "batch", "agreement") if k in summary)
     return 0 if ok else 1
 
 

@@ -1,6 +1,7 @@
 """Time to first token: a fully cached prompt against the same prompt cold, in one run.
 
-    mlx-fleet bench ttft [--models bench-qwen3-0.6b] [--tokens 2048 ...] [--block-tokens 64] [--json out.json]
+    mlx-fleet bench ttft [--models bench-qwen3-0.6b] [--tokens 2048 ...] [--block-tokens 64]
+                         [--resume-at auto|chunk|block ...] [--json out.json]
 
 Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy):
 - cold:     no cache at all (what a cache miss costs);
@@ -10,6 +11,10 @@ Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy):
 - disk:     the same prompt in a fresh replica (empty RAM tier) over the same disk
             tier, with the block files dropped from the page cache first (Linux).
 The target is cached/cold <= 0.05 on a realistic-shape model, from RAM and from disk.
+Every run is cut by the replica's prefill schedule (`--resume-at`, several: one row each;
+engine/schedule.py), the cold ones too, and the first token's logits of the RAM and
+disk hits are compared with the cold run's: `ram_logit_diff` and `disk_logit_diff`,
+0.0 when bitwise.
 
 bench-qwen3-0.6b is the Qwen3-0.6B geometry with random float32 weights (built
 on first use, 1.8 GB). Its cold 2k prefill is slow on the CPU backend; on Linux
@@ -24,12 +29,14 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from cluster.bench.common import load, parser, prompt_tokens, write_json
 from cluster.config import CacheConfig
 from cluster.engine.cold_session import ColdSession
 from cluster.engine.events import Delta, Started
 from cluster.engine.request import GenerationParams
+from cluster.engine.schedule import on_gpu
 from cluster.engine.sequence import Sequence
 from cluster.bench.disk import drop_cache
 from cluster.kvcache.admission import Admission
@@ -39,12 +46,13 @@ from cluster.kvcache.setup import setup_cache
 from cluster.store.disk_tier import DiskStore
 
 
-def first_token(model, tok, prompt, session) -> tuple[float, int, int]:
+def first_token(model, tok, prompt, session, logits: Optional[list] = None) -> tuple[float, int, int]:
     """(seconds to the first token, cached tokens, the token); `session` may be a callable making it,
-    timed too (the admission stage: lookups and reads)."""
+    timed too (the admission stage: lookups and reads). The first step's logits go to `logits`."""
     t0 = time.perf_counter()
     session = session() if callable(session) else session
-    seq = Sequence(prompt, GenerationParams(max_tokens=1), model, tok, session, prefill_step=512)
+    seq = Sequence(prompt, GenerationParams(max_tokens=1, record_logits=logits is not None), model, tok, session,
+                   prefill_step=PREFILL_STEP)
     cached = 0
     while True:
         for e in seq.step():
@@ -54,36 +62,55 @@ def first_token(model, tok, prompt, session) -> tuple[float, int, int]:
                 elapsed = time.perf_counter() - t0
                 while not seq.done:
                     seq.step()
+                if logits is not None:
+                    logits.append(seq.logits[0])
                 return elapsed, cached, e.token_ids[0]
+
+
+def logit_diff(a, b) -> float:
+    """Largest absolute difference of two logit rows, in float32 (0.0: bitwise the same)."""
+    import mlx.core as mx
+
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+
+
+PREFILL_STEP = 512  # ModelSpec.prefill_step_tokens' default
 
 
 def warm(pc, prompt):
     return lambda: BlockSession(pc, prompt, Admission(pc).fetch(prompt))
 
 
-def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=None) -> dict:
+def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=None, resume_at: str = "auto") -> dict:
     """One row; `loaded` is load(name, data_dir) if the caller has it already."""
     model, tok, path = loaded or load(name, data_dir)
     work = Path(tempfile.mkdtemp(prefix="bench-ttft-", dir=data_dir))
     store = DiskStore(work / "node", budget=1 << 40)
-    config = CacheConfig(block_tokens=block_tokens, ram_bytes=16 << 30)
+    config = CacheConfig(block_tokens=block_tokens, ram_bytes=16 << 30, resume_at=resume_at)
     try:
-        pc = setup_cache(model, tok, path, config, work, store_link=LocalLink(store)).cache
+        pc = setup_cache(model, tok, path, config, work, store_link=LocalLink(store), prefill_step=PREFILL_STEP).cache
+        schedule = pc.schedule
         prompt = prompt_tokens(tokens)
-        first_token(model, tok, prompt[:64], ColdSession(model, pc.new_caches))  # warm up kernels
-        cold, _, t_cold = first_token(model, tok, prompt, ColdSession(model, pc.new_caches))
+        # Warm up: a GPU compiles kernels per shape, so there the whole prompt once (its chunks' attention
+        # shapes); on the CPU a short one is enough.
+        first_token(model, tok, prompt if on_gpu() else prompt[:64], ColdSession(model, pc.new_caches, schedule))
+        logits: list = []
+        cold, _, t_cold = first_token(model, tok, prompt, ColdSession(model, pc.new_caches, schedule), logits)
         capture, _, t_capture = first_token(model, tok, prompt, warm(pc, prompt))
-        ram, n, t_ram = first_token(model, tok, prompt, warm(pc, prompt))
+        ram, n, t_ram = first_token(model, tok, prompt, warm(pc, prompt), logits)
         pc.tiers.disk.flush(600)
-        fresh = setup_cache(model, tok, path, config, work, store_link=LocalLink(store)).cache  # empty RAM
+        fresh = setup_cache(model, tok, path, config, work, store_link=LocalLink(store),
+                            schedule=schedule).cache  # empty RAM
         cold_cache = drop_cache([store.path(k.ns, k.key) for k in store.index.entries.values()])
-        disk, n_disk, t_disk = first_token(model, tok, prompt, warm(fresh, prompt))
+        disk, n_disk, t_disk = first_token(model, tok, prompt, warm(fresh, prompt), logits)
         same = t_cold == t_capture == t_ram == t_disk and n_disk == n
         if not same:
             print(f"  {name} at {tokens}: the first token or cached length differs: cold {t_cold}, capture "
                   f"{t_capture}, ram {t_ram} ({n} cached), disk {t_disk} ({n_disk} cached)", flush=True)
-        return {"model": name, "tokens": tokens, "block_tokens": block_tokens, "cached_tokens": n,
+        return {"model": name, "tokens": tokens, "block_tokens": block_tokens, "resume_at": schedule.mode,
+                "chunk_tokens": schedule.chunk_tokens, "cached_tokens": n,
                 "disk_cached_tokens": n_disk, "same_first_token": same,
+                "ram_logit_diff": logit_diff(logits[1], logits[0]), "disk_logit_diff": logit_diff(logits[2], logits[0]),
                 "cold_s": cold, "capture_s": capture, "ram_s": ram, "disk_s": disk,
                 "ram_vs_cold": ram / cold, "disk_vs_cold": disk / cold, "capture_overhead": capture / cold - 1,
                 "page_cache": "dropped" if cold_cache else "warm", "cached_bytes": store.index.bytes}
@@ -96,18 +123,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--models", default="bench-qwen3-0.6b", help="built-in models, comma-separated")
     p.add_argument("--tokens", type=int, nargs="+", default=[2048], help="prompt tokens (several: one row each)")
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
+    p.add_argument("--resume-at", nargs="+", default=["auto"], choices=["auto", "chunk", "block"],
+                   help="prefill schedules to measure (several: one row each)")
     a = p.parse_args(argv)
     rows = []
-    print(f"{'model':<20}{'tokens':>7}{'cached':>8}{'cold s':>9}{'capture s':>11}{'ram s':>8}{'disk s':>8}"
-          f"{'ram/cold':>10}{'disk/cold':>11}{'capture ovh':>13}")
+    print(f"{'model':<20}{'tokens':>7}{'sched':>6}{'cached':>8}{'cold s':>9}{'capture s':>11}{'ram s':>8}{'disk s':>8}"
+          f"{'ram/cold':>10}{'disk/cold':>11}{'capture ovh':>13}{'ram diff':>10}{'disk diff':>11}")
     for name in a.models.split(","):
         loaded = load(name, a.data_dir)
         for tokens in a.tokens:
-            r = measure(name, a.data_dir, tokens, a.block_tokens, loaded)
-            rows.append(r)
-            print(f"{r['model']:<20}{r['tokens']:>7}{r['cached_tokens']:>8}{r['cold_s']:>9.3f}{r['capture_s']:>11.3f}"
-                  f"{r['ram_s']:>8.3f}{r['disk_s']:>8.3f}{r['ram_vs_cold']:>10.4f}{r['disk_vs_cold']:>11.4f}"
-                  f"{r['capture_overhead']:>12.1%}", flush=True)
+            for resume_at in a.resume_at:
+                r = measure(name, a.data_dir, tokens, a.block_tokens, loaded, resume_at)
+                rows.append(r)
+                print(f"{r['model']:<20}{r['tokens']:>7}{r['resume_at']:>6}{r['cached_tokens']:>8}{r['cold_s']:>9.3f}"
+                      f"{r['capture_s']:>11.3f}{r['ram_s']:>8.3f}{r['disk_s']:>8.3f}{r['ram_vs_cold']:>10.4f}"
+                      f"{r['disk_vs_cold']:>11.4f}{r['capture_overhead']:>12.1%}{r['ram_logit_diff']:>10.2g}"
+                      f"{r['disk_logit_diff']:>11.2g}", flush=True)
     print(f"(disk reads with the page cache {rows[-1]['page_cache']}; goal: ram/cold and disk/cold <= 0.05)")
     write_json(a.json, "ttft", {"rows": rows})
     return 0
