@@ -111,7 +111,7 @@ class CacheConfig(_Config):
     kv_group_size: int = Field(64, description="Quantization group size along head_dim for q8/q4.")
     resume_at: Literal["auto", "chunk", "block"] = Field(
         "auto",
-        description="The prefill schedule, which makes a cached answer bitwise the cold one (cluster/engine/schedule.py). 'chunk': prefill chunks cut at absolute multiples of prefill_step_tokens (whole blocks), hits resume only there and only blocks of complete chunks are kept; exact on every backend, as a GPU picks kernels by shape. 'block': chunks block end to block end, hits resume at any block end and reply blocks are kept; exact only where the backend computes a row the same whatever the rows beside it (the CPU, for models without sliding windows). 'auto': chunk on a GPU and for sliding-window models, block otherwise. Part of the model fingerprint.",
+        description="The prefill schedule, which makes a cached answer bitwise the cold one (cluster/engine/schedule.py). 'chunk': prefill chunks cut at absolute multiples of prefill_step_tokens (whole blocks), hits resume only there and only blocks of complete chunks are kept; exact on every backend, as a GPU picks kernels by shape. 'block': chunks block end to block end, hits resume at any block end and reply blocks are kept; exact only where the backend computes a row the same whatever the rows beside it (the CPU, for models without sliding windows). 'auto': chunk on a GPU; on the CPU block, or chunk with one block per chunk for sliding-window models. Part of the model fingerprint.",
     )
     ram_bytes: int = Field(
         2 << 30, ge=0,

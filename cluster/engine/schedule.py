@@ -20,7 +20,7 @@ recurrent layers: chunks run block end to block end, a hit resumes at any block 
 prompt's end), and the blocks of the final chunk and of replies are kept. A sliding window is the
 exception: its attention runs over the ring's (window - 1 + chunk) keys, so a chunk of another length
 reduces in another order (last bits, 1.6e-5 in float32 on tiny-swa). `auto` (the default) takes chunk on a
-GPU and for models with sliding windows, block otherwise. The schedule is part of the fingerprint:
+GPU; on the CPU, block, or for models with sliding windows chunk with one block per chunk. The schedule is part of the fingerprint:
 blocks made under one never restore under the other.
 """
 
@@ -40,11 +40,15 @@ class Schedule:
     @classmethod
     def of(cls, mode: str, block_tokens: int, prefill_step: int, sliding: bool = False) -> "Schedule":
         """`mode` is CacheConfig.resume_at: auto, chunk or block; `sliding`: the model has sliding windows."""
-        if mode == "auto":
-            mode = "chunk" if on_gpu() or sliding else "block"
-        if mode not in ("chunk", "block"):
+        if mode not in ("auto", "chunk", "block"):
             raise ValueError(f"cache.resume_at must be auto, chunk or block, not {mode!r}")
-        return cls(block_tokens, max(block_tokens, prefill_step - prefill_step % block_tokens), mode == "chunk")
+        chunk = max(block_tokens, prefill_step - prefill_step % block_tokens)
+        if mode == "auto" and not on_gpu():
+            # The CPU: block for most models; a sliding model's chunks must be canonical too, and there one
+            # block each, so it still resumes at every block end (512-token chunks would leave every prompt
+            # shorter than 513 tokens uncached, at a CPU's cost to recompute).
+            return cls(block_tokens, block_tokens, True) if sliding else cls(block_tokens, chunk, False)
+        return cls(block_tokens, chunk, mode in ("auto", "chunk"))
 
     @property
     def mode(self) -> str:
