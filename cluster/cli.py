@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="how K/V are kept: native (exact, the default), q8/q4 (mlx's quantized cache), tq8..tq2 (TurboQuant-packed in the tiers and between nodes)")
     up.add_argument("--resume-at", default=None, choices=["auto", "chunk", "block"],
                     help="prefill schedule that keeps cached answers bitwise the cold ones: chunk (exact on a GPU), "
-                         "block (finer reuse, exact on the CPU), auto (the default: chunk on a GPU, block on the CPU)")
+                         "block (finer reuse, exact on the CPU), auto (the default: chunk on a GPU; on the CPU block, "
+                         "or one-block chunks for sliding-window models)")
     up.add_argument("--cache-ram-gb", type=float, default=None, help="RAM tier budget per replica in GiB (default 2)")
     up.add_argument("--cache-disk-gb", type=float, default=None,
                     help="disk tier budget per node in GiB (default: half the free space, at most 100)")

@@ -222,7 +222,7 @@ class ModelReplica:
         pc = self.cache.cache
         return {"enabled": True, "namespace": self.cache.fingerprint.short, "namespace_hex": pc.namespace.hex(),
                 "recurrent": pc.layout.has_recurrent, "boundary_only": pc.planner.boundary_only,
-                "resume_every": pc.schedule.chunk_tokens if pc.schedule.canonical else 1,
+                "resume_every": pc.schedule.resume_every,
                 "admission_timeouts": self.admission.timeouts, "migration": self.migration_stats(),
                 "index": self.publisher.counters if self.publisher else None, **pc.stats()}
 

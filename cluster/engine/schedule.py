@@ -54,6 +54,11 @@ class Schedule:
     def mode(self) -> str:
         return "chunk" if self.canonical else "block"
 
+    @property
+    def resume_every(self) -> int:
+        """A hit resumes only at multiples of this many tokens (what the router predicts with)."""
+        return self.chunk_tokens if self.canonical else 1
+
     def fingerprint(self) -> list:
         return ["chunk", self.chunk_tokens] if self.canonical else ["block"]
 
@@ -66,7 +71,7 @@ class Schedule:
 
     def resumable(self, n: int) -> bool:
         """Whether a hit may resume at n (the Planner adds each layer kind's own rule)."""
-        return n % self.chunk_tokens == 0 if self.canonical else True
+        return n % self.resume_every == 0
 
     def kept_tokens(self, prompt_len: int) -> int:
         """Tokens [0, kept) of a sequence with this prompt whose blocks may serve a later hit."""

@@ -14,7 +14,6 @@ The largest n satisfying every layer wins.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from cluster.families.codecs import sliding_keep
 from cluster.engine.schedule import Schedule
@@ -23,7 +22,7 @@ from cluster.store.hashing import state_key
 
 
 class Planner:
-    def __init__(self, layout: Layout, block_tokens: int, schedule: Optional[Schedule] = None):
+    def __init__(self, layout: Layout, block_tokens: int, schedule: Schedule):
         self.layout = layout
         self.B = block_tokens
         self.schedule = schedule
@@ -40,7 +39,7 @@ class Planner:
         if limit <= 0:
             return []
         out = sorted({limit, *(j * self.B for j in range(1, hit + 1) if j * self.B <= limit)}, reverse=True)
-        return [n for n in out if self.schedule.resumable(n)] if self.schedule is not None else out
+        return [n for n in out if self.schedule.resumable(n)]
 
     def checkpoint_ends(self, prompt_len: int, hit: int) -> list[int]:
         """Block counts j whose end-of-block checkpoint could serve as the restore point."""

@@ -42,7 +42,7 @@ class Node:
     def info(self) -> ReplicaInfo:
         pc = self.h.pc
         return ReplicaInfo("m", self.id, self.id, "", True, pc.namespace, B, pc.layout.has_recurrent,
-                           pc.planner.boundary_only, pc.schedule.chunk_tokens if pc.schedule.canonical else 1)
+                           pc.planner.boundary_only, pc.schedule.resume_every)
 
     def holding(self, prompt):
         ids = chain_ids(self.h.pc.namespace, prompt, B)[: -(-(len(prompt) - 1) // B)]
