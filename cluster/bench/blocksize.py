@@ -35,6 +35,7 @@ def measure(block_tokens: int, tokens: int) -> dict:
         for j, bid in enumerate(ids):
             pc.store_block(j, bid, ids[j - 1] if j else pc.namespace,
                            prompt[j * block_tokens:(j + 1) * block_tokens], caches)
+        pc.seal()
 
     t_capture = best_of(capture)
     raw = sum(c.keys[..., :tokens, :].nbytes + c.values[..., :tokens, :].nbytes for c in caches)

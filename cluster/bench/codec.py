@@ -3,7 +3,8 @@
     mlx-fleet bench codec [--models tiny-dense,tiny-swa,...] [--tokens 2048] [--block-tokens 64] [--json out.json]
 
 For each model: prefill `tokens` tokens, then time
-- encode: slice every block out of the live caches, copy to host, checksum, frame (store_block);
+- encode: capture every block from the live caches (store_block, seal), then frame it as it leaves
+          the process: a host view, the checksum, the envelope (PrefixCache.envelope);
 - decode: verify and parse every stored block and copy its arrays into MLX memory;
 - copy:   numpy copying the same number of bytes once (the floor any codec pays).
 Ratios are codec GB/s over copy GB/s, measured in the same run.
@@ -78,9 +79,11 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int) -> dict:
         if pc.layout.has_recurrent:
             pc.store_state(len(ids) - 1, ids[-1], ids[-2] if len(ids) > 1 else pc.namespace,
                            prompt[(len(ids) - 1) * block_tokens: len(ids) * block_tokens], pc.snapshot_state(caches))
+        pc.seal()
+        return {key: pc.envelope(key) for key in pc.tiers.ram.keys()}
 
     t_enc = best_of(encode_all)
-    blobs = {key: pc.tiers.ram.get(key) for key in pc.tiers.ram.keys()}
+    blobs = encode_all()
     total = sum(len(b) for b in blobs.values())
 
     def decode_all():

@@ -62,7 +62,8 @@ def geometry_blocks(n: int) -> list[tuple[bytes, bytes, object]]:
     out = []
     for j, bid in enumerate(ids):
         pc.store_block(j, bid, ids[j - 1] if j else pc.namespace, prompt[j * 64:(j + 1) * 64], caches)
-        out.append((pc.namespace, bid, pc.tiers.ram.get(bid)))
+        pc.seal()
+        out.append((pc.namespace, bid, pc.envelope(bid)))
         pc.tiers.ram.discard(bid)  # keep memory flat: one block in RAM at a time
     mx.clear_cache()
     return out

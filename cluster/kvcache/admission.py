@@ -7,7 +7,9 @@ admission thread, and the model thread receives ready, verified blocks.
     chain ids -> which leading blocks RAM, then the disk, hold (one lookup each)
               -> (hybrids) which checkpoints exist
               -> plan n -> read what n needs (RAM, then one batched disk read)
-              -> decode and check every block against the model (shape, dtype, ...)
+              -> decode and check every block that crossed the process boundary (disk,
+                 peer) against the model (shape, dtype, ...); a RAM hit is a device
+                 block this process made, taken as it is
               -> a refused or unreadable block shrinks the plan; retry with what is left
 
 Migration: when the route plan says a peer holds more of the prefix than this
@@ -30,6 +32,7 @@ import logging
 from concurrent.futures import Executor
 from typing import Optional, Protocol
 
+from cluster.kvcache.device_blocks import DeviceBlock
 from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.prefix_cache import Prefetch, PrefixCache
 from cluster.store.block_format import BlockError
@@ -84,9 +87,11 @@ class Admission:
         blocks: dict = {}
         own, pulled_from = hit, None
         if pull is not None and self.peers is not None and pull.end_block > hit:
-            if self._pull(pull, ids, hit, blocks):
-                hit, pulled_from = self._leading(want), pull.peer
-        checkpoints = self._checkpoints(ids, len(prompt), hit)
+            got = self._pull(pull, ids, hit, blocks)
+            if got:  # held here now (a device tier gets them on restore): what follows may be local too
+                hit, pulled_from = hit + got, pull.peer
+                hit += self._leading(want[hit:]) if hit < len(want) else 0
+        checkpoints = self._checkpoints(ids, len(prompt), hit, blocks)
         sources = {"ram": 0, "disk": 0}
         for _ in range(ROUNDS):
             n = planner.best(len(prompt), hit, checkpoints)
@@ -130,7 +135,7 @@ class Admission:
                 log.warning("block %d pulled from %s refused (%s): %s", j, plan.peer, reason, e)
                 pc.counters.refused(reason)
                 break
-            pc.tiers.put(key, data)
+            pc.tiers.arrived(key, data)
             good += 1
         return good
 
@@ -142,13 +147,13 @@ class Admission:
             hit += leading(tiers.disk.present(keys[hit:]))
         return hit
 
-    def _checkpoints(self, ids: list[bytes], prompt_len: int, hit: int) -> set[int]:
-        """Block counts j whose end-of-block checkpoint some tier holds."""
+    def _checkpoints(self, ids: list[bytes], prompt_len: int, hit: int, blocks: dict) -> set[int]:
+        """Block counts j whose end-of-block checkpoint some tier holds, or a pull brought (`blocks`)."""
         ends = self.cache.planner.checkpoint_ends(prompt_len, hit)
         if not ends:
             return set()
         keys = [state_key(ids[j - 1]) for j in ends]
-        found = self.cache.tiers.ram.present(keys)
+        found = [f or k in blocks for k, f in zip(keys, self.cache.tiers.ram.present(keys))]
         disk = self.cache.tiers.disk
         missing = [i for i, f in enumerate(found) if not f]
         if disk is not None and missing:
@@ -172,11 +177,14 @@ class Admission:
                     if data is not None:
                         datas[i] = data
                         sources["disk"] += 1
-                        tiers.ram.put(keys[i], data)  # promoted: the next turn finds it in RAM
+                        tiers.arrived(keys[i], data)  # promoted (a device tier's on restore): the next turn finds it in RAM
         bad = []
         for (kind, j, key), data in zip(reads, datas):
             if data is None:
                 bad.append((kind, j))
+                continue
+            if isinstance(data, DeviceBlock):  # made by this process from its own caches: nothing to check
+                blocks[key] = data
                 continue
             try:
                 blocks[key] = pc.decode(data, kind, j, ids)

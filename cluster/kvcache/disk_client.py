@@ -4,6 +4,10 @@ Writes (spills) go through the node's store, which owns the directory: they
 queue here and a background thread ships them in batches, waiting for each
 batch's acknowledgement, so at most one batch is in flight.
 
+A spill may come as the envelope's bytes or as a `Pending` one: a device
+block's numpy views and the function that encodes them, run on this client's
+thread, so the model thread never spends the copy or the checksum.
+
 The spill queue is bounded (bytes). When it is full, the **oldest pending spill
 is dropped** and counted; generation never waits for the disk. Why drop rather
 than push back: a slow or failing disk must not slow down serving, and a dropped
@@ -33,7 +37,8 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as ReadTimeout
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -46,6 +51,14 @@ log = logging.getLogger(__name__)
 BATCH_BYTES = 64 << 20
 READ_THREADS = 4
 SYNC_PERIOD_S = 1.0
+
+
+@dataclass
+class Pending:
+    """A spill whose envelope is made when it is written: `encode()` gives its bytes (off the model thread)."""
+
+    nbytes: int  # about what the envelope will take: what the queue bound counts
+    encode: Callable[[], object]
 
 
 class DiskClient:
@@ -62,7 +75,7 @@ class DiskClient:
         # resync's key list already holds the events read with it, and applying them again is a no-op.
         self._sizes: dict[bytes, int] = {}
         self.disk_bytes = 0  # bytes of this namespace's blocks on the node's disk: sum(self._sizes)
-        self._queue: deque[tuple[bytes, np.ndarray]] = deque()
+        self._queue: deque[tuple[bytes, Union[np.ndarray, Pending]]] = deque()
         self._queued: set[bytes] = set()
         self._pending_bytes = 0
         self._touches: set[bytes] = set()
@@ -126,9 +139,15 @@ class DiskClient:
             log.warning("releasing a disk read failed: %s", e)
         return out
 
+    def holds(self, key: bytes) -> bool:
+        """The disk has this block, or it is queued for it."""
+        with self._cond:
+            return key in self.on_disk or key in self._queued
+
     def put(self, key: bytes, data) -> None:
-        """Queue a block for the disk unless it is there or queued already; never blocks."""
-        arr = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        """Queue a block (its envelope, or a Pending one) for the disk unless it is there or queued
+        already; never blocks."""
+        arr = data if isinstance(data, (np.ndarray, Pending)) else np.frombuffer(data, dtype=np.uint8)
         with self._cond:
             if key in self.on_disk or key in self._queued or self._closed:
                 return
@@ -233,8 +252,9 @@ class DiskClient:
         acked = []
         if self.breaker.allow():
             try:
-                self.link.write(self.ns, batch)
-                acked = [k for k, _ in batch]
+                items = self._encoded(batch)
+                self.link.write(self.ns, items)
+                acked = [k for k, _ in items]
                 self.breaker.success()
             except Exception as e:  # the store is down or slow: these spills are lost, RAM keeps the blocks
                 log.warning("spill of %d blocks failed: %s", len(batch), e)
@@ -246,6 +266,19 @@ class DiskClient:
             self.on_disk.update(acked)
             self.counters["spilled"] += len(acked)
             self.counters["spill_errors"] += len(batch) - len(acked)
+
+    def _encoded(self, batch: list) -> list:
+        """The batch with every Pending spill encoded; one that fails to encode is not written."""
+        out = []
+        for key, arr in batch:
+            if isinstance(arr, Pending):
+                try:
+                    arr = np.frombuffer(arr.encode(), dtype=np.uint8)
+                except Exception:  # a block not spilled is a later miss, never a wrong answer
+                    log.exception("encoding block %s for the disk failed", key.hex()[:16])
+                    continue
+            out.append((key, arr))
+        return out
 
     def _sync(self) -> None:
         """Follow the store's event log; resync from its key list after a gap or a store restart."""

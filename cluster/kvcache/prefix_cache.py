@@ -2,10 +2,19 @@
 
 It answers three questions for the engine:
 - restore: build mlx-lm caches holding the prefix the admission stage fetched;
-- store:   encode a finished block (or a recurrent checkpoint) into the tiers;
+- store:   keep a finished block (or a recurrent checkpoint) in the tiers;
 - expect:  what a block must look like at a place of a chain (namespace, id,
            parent, start, layout, dtype, codec, and every array's dtype and
            shape), so decoding refuses anything else.
+
+With the model's own codec the RAM tier holds device blocks (device_blocks.py):
+a capture is a device copy, a RAM hit is a concatenation per run with no host
+copy and no check, and the envelope (encode, checksum) is made on the disk
+client's thread when the block spills. A block read from the disk or pulled
+from a peer is checked there (decode), and moved to the device once, when it
+is restored: from then on it is a RAM block like the others. With a packing
+codec (tq*) the RAM tier holds the packed envelopes, packed on a thread of
+their own and decoded on every hit.
 
 Where to resume (plan.py) and fetching the blocks (admission.py) happen before
 a sequence reaches the model thread; everything here runs on it, with no I/O.
@@ -27,12 +36,15 @@ import numpy as np
 from cluster.config import CacheConfig
 from cluster.engine.schedule import Schedule
 from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry
-from cluster.families.specs import Layout, Recurrent
+from cluster.families.specs import FullAttention, Layout, QuantizedAttention, Recurrent, SlidingWindow
+from cluster.kvcache import device_blocks
+from cluster.kvcache.device_blocks import DeviceBlock
+from cluster.kvcache.disk_client import Pending
 from cluster.kvcache.payload_codec import TurboQuantPayload
 from cluster.kvcache.plan import Planner
 from cluster.kvcache.tiers import Tiers
 from cluster.store import block_format
-from cluster.store.arrays import host_views, to_mlx
+from cluster.store.arrays import host_views
 from cluster.store.block_format import REASONS, Block, BlockError, Expect, Signature
 from cluster.store.hashing import state_key
 
@@ -45,7 +57,9 @@ class Prefetch:
 
     ids: list[bytes]  # every full block of the prompt
     n: int = 0  # tokens to restore
-    blocks: dict = field(default_factory=dict)  # key -> decoded Block (numpy views), exactly planner.keys(ids, n)
+    # key -> a DeviceBlock (a RAM hit) or a decoded, checked Block of numpy views (a disk read, a peer's
+    # block, an envelope tier's hit): exactly planner.keys(ids, n)
+    blocks: dict = field(default_factory=dict)
     from_ram: int = 0
     from_disk: int = 0
     fetched: int = 0  # of the n tokens, how many come from blocks pulled from a peer
@@ -97,6 +111,20 @@ class PrefixCache:
         self.codec = codec
         self.payload = payload  # None: KV blocks hold the model's own arrays
         self.kv_arrays = payload.signature() if payload is not None else shapes.kv
+        self.device = tiers.device  # RAM holds device blocks (else envelopes, for a packing codec)
+        self.runs = {"kv": device_blocks.runs_of(shapes.kv), "state": device_blocks.runs_of(shapes.state)}
+        # Per kind, per entry: (run, member) of each of its arrays. A run is concatenated over blocks in one
+        # op when every member is a full-length K/V (a sliding window's tail is not).
+        self._where = {kind: [[] for _ in layout.layers] for kind in self.runs}
+        for kind, runs in self.runs.items():
+            for r, run in enumerate(runs):
+                for i, (e, _) in enumerate(run.members):
+                    self._where[kind][e].append((r, i))
+        self._merge = [all(isinstance(layout.layers[e], (FullAttention, QuantizedAttention)) for e, _ in run.members)
+                       for run in self.runs["kv"]]
+        self._unsealed: list[tuple[bytes, DeviceBlock]] = []
+        if self.device:
+            tiers.spill = lambda key, block: self._spill([(key, block)])
         self.codec_quality: Optional[dict] = None
         # Packing costs CPU the model thread must not spend: KV blocks of a lossy codec are packed on a
         # thread of their own, and reach the tiers when packed (until then a lookup simply misses them).
@@ -180,36 +208,104 @@ class PrefixCache:
 
     def _build(self, prefetch: Prefetch, n: int, prompt_len: int) -> list:
         m = math.ceil(n / self.B)
-        parts: list[list] = [[None] * m for _ in self.layout.layers]
-        for j in range(m):
-            for e, arrays in enumerate(prefetch.blocks[prefetch.ids[j]].entries):
-                parts[e][j] = [to_mlx(a) for a in arrays]
+        blocks = [self._on_device(prefetch.ids[j], prefetch.blocks[prefetch.ids[j]], "kv") for j in range(m)]
         state = None
         if self.layout.has_recurrent:
-            block = prefetch.blocks[state_key(prefetch.ids[n // self.B - 1])]
-            state = [[to_mlx(a) for a in arrays] for arrays in block.entries]
+            key = state_key(prefetch.ids[n // self.B - 1])
+            state = self._on_device(key, prefetch.blocks[key], "state")
+        # One concatenation per mergeable run, over all m blocks: [members, 1, H, m * B, D].
+        merged = [None if not ok else blocks[0].runs[r] if m == 1 else
+                  mx.concatenate([b.runs[r] for b in blocks], axis=3) for r, ok in enumerate(self._merge)]
         capacity = self.schedule.capacity(n, prompt_len)
-        caches = [restore_entry(spec, parts[e], n, self.B, capacity, state[e] if state else None)
-                  for e, spec in enumerate(self.layout.layers)]
+        caches = []
+        for e, spec in enumerate(self.layout.layers):
+            if isinstance(spec, Recurrent):
+                arrays = [state.member(r, i) for r, i in self._where["state"][e]] if state else None
+                caches.append(restore_entry(spec, [], n, self.B, capacity, arrays))
+            elif all(merged[r] is not None for r, _ in self._where["kv"][e]):
+                whole = [mx.squeeze(merged[r][i:i + 1], 0) for r, i in self._where["kv"][e]]
+                caches.append(restore_entry(spec, [whole], n, m * self.B, capacity))  # one part of m blocks
+            else:
+                first = max(0, (n - spec.window) // self.B - 1) if isinstance(spec, SlidingWindow) else 0
+                parts = [None] * first + [[b.member(r, i) for r, i in self._where["kv"][e]] for b in blocks[first:]]
+                caches.append(restore_entry(spec, parts, n, self.B, capacity))
         mx.eval([c.state for c in caches])
         return caches
+
+    def _on_device(self, key: bytes, block, kind: str) -> DeviceBlock:
+        """A fetched block as a device block. One read from the disk or pulled from a peer (checked by
+        decode) is moved to the device once, and into a device RAM tier: the next hit finds it there."""
+        if isinstance(block, DeviceBlock):
+            return block
+        out = device_blocks.from_host(block, self.runs[kind])
+        if self.device:
+            self.tiers.ram.put(key, out)
+        return out
 
     # -- store (model thread) ---------------------------------------------------------------
     def store_block(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], caches: list) -> None:
         if self.tiers.ram.present([block_id])[0] or block_id in self._packing:
             return
         start = index * self.B
-        entries = host_entries([capture_block(spec, cache, start, start + self.B, self.B)
-                         for spec, cache in zip(self.layout.layers, caches)])
-        self._put(block_id, "kv", block_id, parent, start, tokens, entries)
+        arrays = [capture_block(spec, cache, start, start + self.B, self.B)
+                  for spec, cache in zip(self.layout.layers, caches)]
+        if self.device:
+            self._keep(block_id, device_blocks.capture("kv", block_id, parent, start, tokens, arrays,
+                                                       self.runs["kv"]))
+        else:
+            self._put(block_id, "kv", block_id, parent, start, tokens, host_entries(arrays))
         self.counters.blocks_stored += 1
 
     def store_state(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], state: list) -> None:
         key = state_key(block_id)
         if self.tiers.ram.present([key])[0]:
             return
-        self._put(key, "state", block_id, parent, index * self.B, tokens, host_entries(state))
+        if self.device:
+            self._keep(key, device_blocks.capture("state", block_id, parent, index * self.B, tokens, state,
+                                                  self.runs["state"]))
+        else:
+            self._put(key, "state", block_id, parent, index * self.B, tokens, host_entries(state))
         self.counters.checkpoints_stored += 1
+
+    def _keep(self, key: bytes, block: DeviceBlock) -> None:
+        """Into the device RAM tier; evaluated by the next seal()."""
+        self._unsealed.append((key, block))
+        self.tiers.ram.put(key, block)
+
+    def seal(self) -> None:
+        """Evaluate the blocks captured since the last seal (one sync), and queue for the disk those it
+        lacks. The session calls it after each forward's captures (model thread)."""
+        if not self._unsealed:
+            return
+        blocks, self._unsealed = self._unsealed, []
+        device_blocks.seal([b for _, b in blocks])
+        disk = self.tiers.disk
+        if disk is not None:
+            self._spill([(k, b) for k, b in blocks if not disk.holds(k)])
+
+    def _spill(self, items: list[tuple[bytes, DeviceBlock]]) -> None:
+        """Queue device blocks for the disk: numpy views taken here (model thread, one evaluation), the
+        envelope made on the disk client's thread."""
+        disk = self.tiers.disk
+        if disk is None or not items:
+            return
+        hosts = device_blocks.to_host([b for _, b in items], [self.runs[b.kind] for _, b in items],
+                                      len(self.layout.layers))
+        for (key, block), entries in zip(items, hosts):
+            disk.put(key, Pending(block.nbytes, lambda block=block, entries=entries: self._envelope(block, entries)))
+
+    def _envelope(self, block: DeviceBlock, entries: list) -> memoryview:
+        return block_format.encode(Block(kind=block.kind, namespace=self.namespace, id=block.id, parent=block.parent,
+                                         start=block.start, tokens=block.tokens, layout=self.described,
+                                         dtype=self.dtype, codec=self.codec, entries=entries))
+
+    def envelope(self, key: bytes) -> Optional[memoryview]:
+        """The envelope of a block RAM holds, as it would leave this process (tests, tools)."""
+        held = self.tiers.ram.get(key)
+        if held is None or not isinstance(held, DeviceBlock):
+            return held
+        entries = device_blocks.to_host([held], [self.runs[held.kind]], len(self.layout.layers))[0]
+        return self._envelope(held, entries)
 
     def snapshot_state(self, caches: list) -> list:
         return [capture_state(spec, cache) for spec, cache in zip(self.layout.layers, caches)]

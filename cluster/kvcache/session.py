@@ -4,7 +4,7 @@ It restores the prefix the admission stage fetched, cuts prefill chunks where th
 schedule says (engine/schedule.py; on the block schedule also where a recurrent
 checkpoint is due), and after every forward stores each newly completed block
 the schedule keeps (prompt or generated), before a sliding window can rotate
-its tokens out. During decode it keeps (by reference, no copy) the recurrent
+its tokens out, and seals them (one evaluation of their device copies). During decode it keeps (by reference, no copy) the recurrent
 state at the latest block end, and stores it when the request ends, so the
 next turn of a chat can resume right after this reply.
 """
@@ -61,6 +61,7 @@ class BlockSession:
         except CaptureError as e:  # never fail a request because a block could not be kept
             self.pc.counters.capture_errors += 1
             log.warning("could not capture a block: %s", e)
+        self.pc.seal()
 
     @property
     def kept(self) -> int:
@@ -75,6 +76,7 @@ class BlockSession:
             self.pending_state = None
             if index == len(fed) // self.B - 1:
                 self._store_state(index, state)
+                self.pc.seal()
 
     # -----------------------------------------------------------------------
     def _store_blocks(self, caches: list) -> None:

@@ -107,8 +107,8 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
     if store_link is not None:
         disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes, config.store_timeout_s,
                           config.read_timeout_s, Breaker(config.breaker_failures, config.breaker_cooldown_s))
-    tiers = Tiers(config.ram_bytes, fp.namespace, disk, listener)
     payload = payload_codec(config.kv_codec, layout, shapes.kv, fp.namespace)
+    tiers = Tiers(config.ram_bytes, fp.namespace, disk, listener, device=payload is None)
     cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec, payload, schedule)
     if payload is not None:
         cache.codec_quality = payload.quality(probe_block(model, layout, config.block_tokens))

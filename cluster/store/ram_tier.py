@@ -1,9 +1,9 @@
-"""The replica's RAM tier: encoded blocks in an LRU bounded by bytes.
+"""The replica's RAM tier: blocks in an LRU bounded by bytes.
 
-It implements the store contract (store/contract.py). Blocks are kept encoded
-(the same bytes as on disk or on the wire): the budget counts real bytes, and
-every read goes through the same verified decode path whatever tier it came
-from.
+It implements the store contract (store/contract.py). What it holds is up to
+its owner (kvcache/tiers.py): device-resident blocks (kvcache/device_blocks.py,
+their `nbytes` counted) for the model's own codec, or encoded envelopes (their
+length counted) for a packing codec. Either way the budget counts real bytes.
 
 Eviction order: least recently used first, where get_many() and put() both
 count as a use; present() does not (a lookup that is not followed by a restore
@@ -21,13 +21,19 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
-Listener = Callable[[str, bytes, object], None]  # (event, key, the block's bytes)
+Listener = Callable[[str, bytes, object], None]  # (event, key, the block)
+
+
+def size_of(block) -> int:
+    """Bytes a held block takes: a device block's arrays, or an envelope's length."""
+    nbytes = getattr(block, "nbytes", None)
+    return int(nbytes) if nbytes is not None else len(block)
 
 
 class RamTier:
     def __init__(self, budget_bytes: int, listener: Optional[Listener] = None):
         self.budget = budget_bytes
-        self._blocks: "OrderedDict[bytes, bytes]" = OrderedDict()
+        self._blocks: "OrderedDict[bytes, object]" = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._listener = listener
@@ -38,7 +44,7 @@ class RamTier:
         with self._lock:
             return [k in self._blocks for k in keys]
 
-    def get_many(self, keys: Iterable[bytes]) -> list[Optional[bytes]]:
+    def get_many(self, keys: Iterable[bytes]) -> list[Optional[object]]:
         out = []
         with self._lock:
             for key in keys:
@@ -51,22 +57,23 @@ class RamTier:
                 out.append(data)
         return out
 
-    def put(self, key: bytes, data: bytes) -> bool:
+    def put(self, key: bytes, data) -> bool:
         evicted = []
+        size = size_of(data)
         with self._lock:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 return True
-            if len(data) > self.budget:
+            if size > self.budget:
                 self.rejected += 1
                 return False
-            while self._bytes + len(data) > self.budget:
+            while self._bytes + size > self.budget:
                 old, old_data = self._blocks.popitem(last=False)
-                self._bytes -= len(old_data)
+                self._bytes -= size_of(old_data)
                 self.evictions += 1
                 evicted.append((old, old_data))
             self._blocks[key] = data
-            self._bytes += len(data)
+            self._bytes += size
         self._emit("stored", key, data)
         for old, old_data in evicted:
             self._emit("evicted", old, old_data)  # with its bytes: a listener may spill them
@@ -78,7 +85,7 @@ class RamTier:
             data = self._blocks.pop(key, None)
             if data is None:
                 return False
-            self._bytes -= len(data)
+            self._bytes -= size_of(data)
             self.discarded += 1
         self._emit("discarded", key, data)
         return True
@@ -90,7 +97,7 @@ class RamTier:
                     "discarded": self.discarded}
 
     # -- inspection --------------------------------------------------------------------
-    def get(self, key: bytes) -> Optional[bytes]:
+    def get(self, key: bytes) -> Optional[object]:
         return self.get_many([key])[0]
 
     def keys(self) -> list[bytes]:
@@ -98,7 +105,7 @@ class RamTier:
         with self._lock:
             return list(self._blocks)
 
-    def snapshot(self) -> list[tuple[bytes, bytes]]:
+    def snapshot(self) -> list[tuple[bytes, object]]:
         """Every (key, block), least recently used first, without counting as a use."""
         with self._lock:
             return list(self._blocks.items())

@@ -106,6 +106,23 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
     return [3 + (i * 7919 + salt * 104729) % 1021 for i in range(n)]
 
 
+def plant(h: Harness, key: bytes, data) -> None:
+    """Replace block `key` by `data` where blocks enter this process: its file on the node's disk (as a bad
+    disk, a buggy writer or another process could leave it), with RAM's copy dropped. A RAM block is one this
+    process made from its own caches and is used unchecked; a block read in is checked."""
+    assert h.pc.tiers.disk.flush(30)
+    h.pc.tiers.ram.discard(key)
+    h.store.path(h.pc.namespace, key).write_bytes(bytes(data))
+    h.store.index.get(key).size = len(data)
+
+
+def forget_ram(h: Harness) -> None:
+    """Drop every block from RAM (the disk keeps them): the next hit reads, and checks, them all."""
+    assert h.pc.tiers.disk.flush(30)
+    for key in h.pc.tiers.ram.keys():
+        h.pc.tiers.ram.discard(key)
+
+
 @pytest.fixture
 def disk_harness(load_builtin, data_dir, tmp_path):
     """A Harness whose cache also has a real disk tier (in-process DiskStore) and a tiny RAM tier."""

@@ -1,5 +1,8 @@
 """A well-formed block that is wrong inside is refused: every checksum, the id and the parent pass,
-but its payload does not fit the model. Each check has a negative control, and the answer stays exact."""
+but its payload does not fit the model. Each check has a negative control, and the answer stays exact.
+
+The blocks are planted where blocks enter the replica, as files on the node's disk: a RAM block is
+one the replica made from its own caches and is used unchecked (kvcache/device_blocks.py)."""
 
 import numpy as np
 import pytest
@@ -8,20 +11,23 @@ from cluster.kvcache import prefix_cache
 from cluster.store import block_format
 from cluster.store.block_format import Block
 from cluster.store.hashing import chain_ids, state_key
-from tests.kvcache.conftest import prompt_of
+from tests.kvcache.conftest import forget_ram, plant, prompt_of
 
 B = 32
 
 
 def reencode(h, key, ids, index, kind="kv", **change) -> None:
-    """Replace block `index` in RAM by a re-encoded copy with `change` applied (checksums all valid)."""
-    blk = h.pc.decode(h.pc.tiers.ram.get(key), kind, index, ids)
+    """Replace block `index` by a re-encoded copy with `change` applied (checksums all valid), on disk."""
+    blk = h.pc.decode(h.pc.envelope(key), kind, index, ids)
     fields = dict(kind=blk.kind, namespace=blk.namespace, id=blk.id, parent=blk.parent, start=blk.start,
                   tokens=blk.tokens, layout=blk.layout, dtype=blk.dtype, codec=blk.codec,
                   entries=[[(t, np.array(a)) for t, a in arrays] for arrays in blk.entries])
     fields.update(change)
-    h.pc.tiers.ram.discard(key)
-    h.pc.tiers.ram.put(key, bytes(block_format.encode(Block(**fields))))
+    plant(h, key, block_format.encode(Block(**fields)))
+
+
+def on_disk(h, key) -> bytes:
+    return h.store.path(h.pc.namespace, key).read_bytes()
 
 
 def half_rows(entries):
@@ -39,15 +45,15 @@ def as_float16(entries):
     ("start", lambda blk: {"start": 2 * B}),
     ("codec", lambda blk: {"codec": ["native", 99, None, None]}),
 ])
-def test_a_block_that_does_not_fit_the_model_is_refused(harness, reason, change):
-    h = harness("tiny-dense", block_tokens=B)
+def test_a_block_that_does_not_fit_the_model_is_refused(disk_harness, reason, change):
+    h = disk_harness("tiny-dense", block_tokens=B)
     prompt = prompt_of(150)
     h.warm(prompt, max_tokens=2)
     ids = chain_ids(h.pc.namespace, prompt, B)
-    blk = h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+    blk = h.pc.decode(h.pc.envelope(ids[1]), "kv", 1, ids)
     reencode(h, ids[1], ids, 1, **change({"entries": [[(t, np.array(a)) for t, a in e] for e in blk.entries]}))
     with pytest.raises(block_format.BlockError):  # the envelope itself is sound; only the model checks refuse it
-        h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+        h.pc.decode(on_disk(h, ids[1]), "kv", 1, ids)
     warm, cold = h.warm(prompt), h.cold(prompt)
     assert warm.cached == h.resume_point(B)  # block 0 only (none on the canonical schedule: no cut there)
     assert h.pc.counters.corrupt[reason] == 1
@@ -56,8 +62,8 @@ def test_a_block_that_does_not_fit_the_model_is_refused(harness, reason, change)
     assert h.warm(prompt).cached == 4 * B  # the refused block was dropped and recomputed
 
 
-def test_negative_control_the_same_block_unchanged_is_restored(harness):
-    h = harness("tiny-dense", block_tokens=B)
+def test_negative_control_the_same_block_unchanged_is_restored(disk_harness):
+    h = disk_harness("tiny-dense", block_tokens=B)
     prompt = prompt_of(150)
     h.warm(prompt, max_tokens=2)
     ids = chain_ids(h.pc.namespace, prompt, B)
@@ -89,10 +95,11 @@ def test_an_unexpected_exception_while_restoring_is_a_miss_and_drops_the_blocks(
     assert h.warm(prompt).cached == 192  # recomputed and stored again
 
 
-def test_an_unexpected_exception_while_decoding_is_a_miss(harness, monkeypatch):
-    h = harness("tiny-dense", block_tokens=B)
+def test_an_unexpected_exception_while_decoding_is_a_miss(disk_harness, monkeypatch):
+    h = disk_harness("tiny-dense", block_tokens=B)
     prompt = prompt_of(150)
     h.warm(prompt, max_tokens=2)
+    forget_ram(h)  # read back from the disk, so decoded
     real = h.pc.decode
 
     def broken(data, kind, index, ids):
@@ -113,15 +120,15 @@ def one_array_as_float16(entries):
     return [[("float16", a.astype(np.float16)), *rest]] + entries[1:]
 
 
-def test_an_array_of_the_wrong_dtype_is_refused_by_the_payload_check(harness):
-    h = harness("tiny-dense", block_tokens=B)
+def test_an_array_of_the_wrong_dtype_is_refused_by_the_payload_check(disk_harness):
+    h = disk_harness("tiny-dense", block_tokens=B)
     prompt = prompt_of(150)
     h.warm(prompt, max_tokens=2)
     ids = chain_ids(h.pc.namespace, prompt, B)
-    blk = h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+    blk = h.pc.decode(h.pc.envelope(ids[1]), "kv", 1, ids)
     reencode(h, ids[1], ids, 1, entries=one_array_as_float16([[(t, np.array(a)) for t, a in e] for e in blk.entries]))
     with pytest.raises(block_format.BadDtype, match="entry 0 has a float16 array"):
-        h.pc.decode(h.pc.tiers.ram.get(ids[1]), "kv", 1, ids)
+        h.pc.decode(on_disk(h, ids[1]), "kv", 1, ids)
     warm = h.warm(prompt)
     assert warm.cached == h.resume_point(B) and h.pc.counters.corrupt["dtype"] == 1
     h.assert_same(warm, h.cold(prompt))
@@ -140,21 +147,21 @@ def cut_rows(arrays):
     ("tiny-swa", "kv", "sliding", cut_rows),  # a sliding layer's stored tail with half its rows
     ("tiny-hybrid", "state", "recurrent", cut_last_axis),  # a recurrent state of the wrong shape
 ])
-def test_a_sliding_tail_or_a_recurrent_state_of_the_wrong_shape_is_refused(harness, model, kind, layer_kind, cut):
-    h = harness(model, block_tokens=B)
+def test_a_sliding_tail_or_a_recurrent_state_of_the_wrong_shape_is_refused(disk_harness, model, kind, layer_kind, cut):
+    h = disk_harness(model, block_tokens=B)
     prompt = prompt_of(150)
     h.warm(prompt, max_tokens=2)
     full = h.warm(prompt, max_tokens=2).cached
     ids = chain_ids(h.pc.namespace, prompt, B)
-    index = 1 if kind == "kv" else max(j for j in range(len(ids)) if h.pc.tiers.ram.get(state_key(ids[j])) is not None)
+    index = 1 if kind == "kv" else max(j for j in range(len(ids)) if h.pc.tiers.ram.present([state_key(ids[j])])[0])
     key = ids[index] if kind == "kv" else state_key(ids[index])
-    blk = h.pc.decode(h.pc.tiers.ram.get(key), kind, index, ids)
+    blk = h.pc.decode(h.pc.envelope(key), kind, index, ids)
     layer = next(i for i, spec in enumerate(h.pc.layout.layers) if spec.kind == layer_kind)
     entries = [[(t, np.array(a)) for t, a in e] for e in blk.entries]
     entries[layer] = cut(entries[layer])
     reencode(h, key, ids, index, kind, entries=entries)
     with pytest.raises(block_format.BadShape, match=f"entry {layer} has an array of shape"):
-        h.pc.decode(h.pc.tiers.ram.get(key), kind, index, ids)
+        h.pc.decode(on_disk(h, key), kind, index, ids)
     warm = h.warm(prompt)
     assert warm.cached < full and h.pc.counters.corrupt["shape"] == 1
     h.assert_same(warm, h.cold(prompt))
