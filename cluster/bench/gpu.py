@@ -10,7 +10,8 @@ backend on Linux, Metal on a Mac). It needs no Ray, Redis or network:
 - tests: the suites that run in one process (engine, families, kvcache, store,
   models), with the thread guard on, where a lazy array used on another thread
   fails for real, as on Metal;
-- ttft:  `bench ttft` (cold, capture, RAM and disk hits) on realistic bf16 geometries;
+- ttft:  `bench ttft` (cold, capture, RAM and disk hits) on realistic bf16 geometries, with
+         mlx_lm.server's prompt cache on the same models as the peer (`--vs-mlx-lm-server`);
 - batch: `bench batch --no-http` (ours against mlx-lm's BatchGenerator) on one;
 - agreement: `bench agreement` (batched greedy answers against the same requests alone).
 Logs and JSON go to --out (default $OUT, else ./gpu-run); summary.json says what
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
         summary["tests"] = run_part("tests", argv, a.out, a.timeout) | test_counts(a.out / "tests.log")
     if "ttft" in parts:
         argv = [*bench, "ttft", *data, "--models", a.ttft_models, "--tokens", *map(str, a.tokens),
-                "--resume-at", *a.resume_at, "--json", str(a.out / "ttft.json")]
+                "--resume-at", *a.resume_at, "--vs-mlx-lm-server", "--json", str(a.out / "ttft.json")]
         summary["ttft"] = run_part("ttft", argv, a.out, a.timeout)
     if "batch" in parts:
         argv = [*bench, "batch", *data, "--no-http", "--model", a.batch_model, "--prompt-tokens", "128",

@@ -1,7 +1,7 @@
 """Time to first token: a fully cached prompt against the same prompt cold, in one run.
 
     mlx-fleet bench ttft [--models bench-qwen3-0.6b] [--tokens 2048 ...] [--block-tokens 64]
-                         [--resume-at auto|chunk|block ...] [--json out.json]
+                         [--resume-at auto|chunk|block ...] [--vs-mlx-lm-server] [--json out.json]
 
 Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy):
 - cold:     no cache at all (what a cache miss costs);
@@ -11,6 +11,9 @@ Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy):
 - disk:     the same prompt in a fresh replica (empty RAM tier) over the same disk
             tier, with the block files dropped from the page cache first (Linux).
 The target is cached/cold <= 0.05 on a realistic-shape model, from RAM and from disk.
+With --vs-mlx-lm-server, mlx_lm.server's cold and cached TTFT on the same model and prompt
+length (bench/mlx_lm_server.py) join each row, and `ram_vs_server` compares the RAM hit with
+its prompt cache.
 Every run is cut by the replica's prefill schedule (`--resume-at`, several: one row each;
 engine/schedule.py), the cold ones too, and the first token's logits of the RAM and
 disk hits are compared with the cold run's: `ram_logit_diff` and `disk_logit_diff`,
@@ -118,6 +121,23 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
         shutil.rmtree(work, ignore_errors=True)
 
 
+def vs_server(name: str, loaded, rows: list[dict]) -> None:
+    """mlx_lm.server's cold and cached TTFT for each row's prompt length, added to the rows."""
+    from cluster.bench.mlx_lm_server import MlxLmServer
+
+    _, tok, path = loaded
+    with MlxLmServer(path) as server:
+        for tokens in sorted({r["tokens"] for r in rows}):
+            got = server.measure(tok.decode(prompt_tokens(tokens, salt=1)), tok.decode(prompt_tokens(tokens)))
+            print(f"  mlx_lm.server {name} at {got['server_tokens']} tokens: cold {got['server_cold_s']:.3f} s, "
+                  f"cached {got['server_cached_s']:.3f} s", flush=True)
+            for r in rows:
+                if r["tokens"] == tokens:
+                    r.update(got, ram_vs_server=r["ram_s"] / got["server_cached_s"])
+                    print(f"    ours ({r['resume_at']}) from RAM {r['ram_s']:.3f} s: {r['ram_vs_server']:.2f}x its cached",
+                          flush=True)
+
+
 def main(argv: list[str]) -> int:
     p = parser(__doc__.splitlines()[0], __name__)
     p.add_argument("--models", default="bench-qwen3-0.6b", help="built-in models, comma-separated")
@@ -125,6 +145,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
     p.add_argument("--resume-at", nargs="+", default=["auto"], choices=["auto", "chunk", "block"],
                    help="prefill schedules to measure (several: one row each)")
+    p.add_argument("--vs-mlx-lm-server", action="store_true",
+                   help="also time mlx_lm.server's prompt cache on the same model and prompt lengths (over HTTP)")
     a = p.parse_args(argv)
     rows = []
     print(f"{'model':<20}{'tokens':>7}{'sched':>6}{'cached':>8}{'cold s':>9}{'capture s':>11}{'ram s':>8}{'disk s':>8}"
@@ -139,6 +161,9 @@ def main(argv: list[str]) -> int:
                       f"{r['capture_s']:>11.3f}{r['ram_s']:>8.3f}{r['disk_s']:>8.3f}{r['ram_vs_cold']:>10.4f}"
                       f"{r['disk_vs_cold']:>11.4f}{r['capture_overhead']:>12.1%}{r['ram_logit_diff']:>10.2g}"
                       f"{r['disk_logit_diff']:>11.2g}", flush=True)
+        if a.vs_mlx_lm_server:
+            vs_server(name, loaded, [r for r in rows if r["model"] == name])
+        del loaded
     print(f"(disk reads with the page cache {rows[-1]['page_cache']}; goal: ram/cold and disk/cold <= 0.05)")
     write_json(a.json, "ttft", {"rows": rows})
     return 0
