@@ -66,6 +66,9 @@ METRICS: dict[str, Spec] = {
     "mlx_fleet_cache_evictions": Spec("counter", "Blocks evicted, per tier", ("model", "node", "tier")),
     "mlx_fleet_cache_quarantined": Spec("counter", "Blocks refused as corrupt, stale or foreign",
                                         ("model", "node", "tier")),
+    "mlx_fleet_cache_choices": Spec("counter", "Cache hits taken (restore) or passed over because recomputing "
+                                    "was predicted faster (recompute), by the replica's measured speeds",
+                                    ("model", "node", "choice")),
     "mlx_fleet_cache_dropped_spills": Spec("counter", "Spills to disk dropped (queue full or disk trouble)",
                                            ("model", "node")),
     "mlx_fleet_migrated_blocks": Spec("counter", "Blocks pulled from peers", ("model", "node")),
@@ -199,6 +202,8 @@ def export_replica(exp: StatsExporter, s: dict) -> None:
     exp.total("mlx_fleet_cache_evictions", ram.get("evictions"), tier="ram", **tags)
     exp.total("mlx_fleet_cache_quarantined", sum((cache.get("corrupt") or {}).values()), tier="restore", **tags)
     exp.total("mlx_fleet_cache_dropped_spills", (cache.get("spill") or {}).get("dropped_spills"), **tags)
+    for choice, count in ((cache.get("costs") or {}).get("choices") or {}).items():
+        exp.total("mlx_fleet_cache_choices", count, choice=choice, **tags)
     migration = cache.get("migration") or {}
     exp.total("mlx_fleet_migrated_blocks", migration.get("blocks"), **tags)
     exp.total("mlx_fleet_migrated_bytes", migration.get("bytes"), **tags)

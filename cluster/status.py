@@ -165,7 +165,10 @@ def fleet_numbers(replicas: list[dict], gateways: list[dict], index: dict) -> di
         "index_entries": index,
         "cost_model": {r["node_id"]: {"model": r.get("model"), "prefill_tps": r.get("prefill_tps"),
                                       "link_bytes_per_s": ((r.get("cache") or {}).get("migration") or {})
-                                      .get("link_bytes_per_s", {})} for r in replicas},
+                                      .get("link_bytes_per_s", {}),
+                                      # the replica's own restore-or-recompute choices and the speeds behind them
+                                      **{k: v for k, v in ((r.get("cache") or {}).get("costs") or {}).items()
+                                         if k != "prefill_tps"}} for r in replicas},
     }
 
 

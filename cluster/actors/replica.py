@@ -62,6 +62,7 @@ class ModelReplica:
         self.ray_node_id = _ray_node_id()
         self.admission = self.peers = self.publisher = None
         if self.cache.cache is not None:
+            self.cache.cache.costs.prefill_tps = lambda: self.scheduler.prefill_tps  # restore or recompute
             self.peers = PeerClient(self.cache.cache.namespace)
             self.admission = Admission(self.cache.cache, ThreadPoolExecutor(ADMISSION_THREADS, "mlx-fleet-admit"),
                                        app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)

@@ -18,6 +18,11 @@ peer's node store first (peers.py), checked like any other block, and kept:
 into RAM, through to this node's disk, announced in the fleet index. A failed
 or late pull only shortens the prefix; the rest is recomputed.
 
+Restore or recompute: before reading, the plan's bytes by tier and the tokens
+it saves are weighed against recomputing them, with the replica's own measured
+speeds (costs.py); when recomputing is predicted faster, the prompt is
+prefilled cold.
+
 Bounds: each store call has its own timeout and goes through a circuit breaker
 (disk_client.py), a pull has its deadline, and the whole stage has one
 (`fetch_async`): past it the request is simply prefilled cold. A block refused
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import Executor
 from typing import Optional, Protocol
 
@@ -93,11 +99,13 @@ class Admission:
                 hit += self._leading(want[hit:]) if hit < len(want) else 0
         checkpoints = self._checkpoints(ids, len(prompt), hit, blocks)
         sources = {"ram": 0, "disk": 0}
-        for _ in range(ROUNDS):
+        for round_ in range(ROUNDS):
             n = planner.best(len(prompt), hit, checkpoints)
             if not n:
                 break
             reads = planner.reads(ids, n)
+            if round_ == 0 and not self._restore_pays(len(prompt), n, [r for r in reads if r[2] not in blocks]):
+                break  # recomputing is predicted faster (costs.py): cold
             bad = self._fetch([r for r in reads if r[2] not in blocks], ids, blocks, sources)
             if not bad:
                 fetched = max(0, n - own * pc.B) if pulled_from else 0
@@ -112,6 +120,15 @@ class Admission:
         return Prefetch(ids=ids)
 
     # -----------------------------------------------------------------------------------
+    def _restore_pays(self, prompt_len: int, n: int, reads: list[tuple[str, int, bytes]]) -> bool:
+        """The restore-or-recompute choice for a plan, by the bytes each tier would move."""
+        pc = self.cache
+        in_ram = pc.tiers.ram.present([k for _, _, k in reads])
+        size = {"kv": pc.block_bytes, "state": pc.shapes.state_bytes}
+        ram = sum(size[kind] for (kind, _, _), held in zip(reads, in_ram) if held)
+        disk = sum(size[kind] for (kind, _, _), held in zip(reads, in_ram) if not held)
+        return pc.costs.restore_pays(prompt_len, n, ram, disk)
+
     def _pull(self, plan: FetchPlan, ids: list[bytes], have: int, blocks: dict) -> int:
         """Pull blocks [have, plan.end_block) (and its checkpoint) from the peer; keep what verifies.
 
@@ -173,7 +190,10 @@ class Admission:
         if tiers.disk is not None:
             tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too
             if missing:
-                for i, data in zip(missing, tiers.disk.get_many([keys[i] for i in missing])):
+                t0 = time.perf_counter()
+                read = tiers.disk.get_many([keys[i] for i in missing])
+                pc.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)
+                for i, data in zip(missing, read):
                     if data is not None:
                         datas[i] = data
                         sources["disk"] += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -38,6 +39,7 @@ from cluster.engine.schedule import Schedule
 from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry
 from cluster.families.specs import FullAttention, Layout, QuantizedAttention, Recurrent, SlidingWindow
 from cluster.kvcache import device_blocks
+from cluster.kvcache.costs import Costs
 from cluster.kvcache.device_blocks import DeviceBlock
 from cluster.kvcache.disk_client import Pending
 from cluster.kvcache.payload_codec import TurboQuantPayload
@@ -139,6 +141,7 @@ class PrefixCache:
         self.every = checkpoint_interval(shapes.state_bytes, self.block_bytes,
                                          config.checkpoint_overhead)
         self.counters = CacheCounters()
+        self.costs = Costs()  # the replica sets costs.prefill_tps to its scheduler's
 
     # -- what a block must be ------------------------------------------------------
     def expect(self, kind: str, index: int, ids: list[bytes]) -> Expect:
@@ -207,7 +210,9 @@ class PrefixCache:
         return self.new_caches(), 0, prefetch.ids
 
     def _build(self, prefetch: Prefetch, n: int, prompt_len: int) -> list:
+        t0 = time.perf_counter()
         m = math.ceil(n / self.B)
+        resident = all(isinstance(prefetch.blocks[prefetch.ids[j]], DeviceBlock) for j in range(m))
         blocks = [self._on_device(prefetch.ids[j], prefetch.blocks[prefetch.ids[j]], "kv") for j in range(m)]
         state = None
         if self.layout.has_recurrent:
@@ -230,6 +235,8 @@ class PrefixCache:
                 parts = [None] * first + [[b.member(r, i) for r, i in self._where["kv"][e]] for b in blocks[first:]]
                 caches.append(restore_entry(spec, parts, n, self.B, capacity))
         mx.eval([c.state for c in caches])
+        if resident:  # the RAM tier's speed: what the restore-or-recompute choice predicts with
+            self.costs.observe("ram", sum(b.nbytes for b in blocks), time.perf_counter() - t0)
         return caches
 
     def _on_device(self, key: bytes, block, kind: str) -> DeviceBlock:
@@ -340,7 +347,7 @@ class PrefixCache:
     def stats(self) -> dict:
         out = {"block_tokens": self.B, "checkpoint_every": self.every, "resume_at": self.schedule.mode,
                "chunk_tokens": self.schedule.chunk_tokens, **self.counters.as_dict(),
-               **self.tiers.stats()}
+               **self.tiers.stats(), "costs": self.costs.stats()}
         if self.codec_quality is not None:
             out["codec_quality"] = self.codec_quality
         return out

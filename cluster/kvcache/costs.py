@@ -1,0 +1,66 @@
+"""Restore or recompute, chosen per request from the replica's own measured speeds.
+
+A hit is not free: its bytes move, from the device RAM tier (a concatenation)
+or from the node's disk (a read, a check, a copy to the device). A short prompt
+on a fast GPU can be quicker to recompute than to read back from a slow disk.
+So before the admission stage reads anything, it asks `restore_pays` with the
+plan's bytes by tier and the tokens the hit saves, and the faster way wins:
+a hit is taken only when it is predicted to make the first token sooner.
+
+The speeds are moving averages of what this replica measured itself:
+- prefill tokens/s: the scheduler's (`prefill_tps`, set by the replica);
+- RAM: bytes/s of restores built from device blocks alone (PrefixCache);
+- disk: bytes/s of the admission stage's disk reads, checks included.
+A speed not measured yet predicts nothing: the hit is taken (it is the likelier
+win, and taking it measures the speed). Both sides of the comparison share the
+prompt's last forward, so it is left out of both.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+EMA = 0.3
+MIN_BYTES = 1 << 20  # a smaller transfer says more about fixed overheads than about bandwidth
+
+
+@dataclass
+class Costs:
+    prefill_tps: Callable[[], float] = lambda: 0.0
+    ram_bps: float = 0.0
+    disk_bps: float = 0.0
+    choices: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0})
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def observe(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A measured restore from `tier` ("ram" or "disk") of `nbytes` in `seconds`."""
+        if nbytes < MIN_BYTES or seconds <= 0:
+            return
+        bps = nbytes / seconds
+        with self._lock:
+            old = getattr(self, f"{tier}_bps")
+            setattr(self, f"{tier}_bps", bps if not old else (1 - EMA) * old + EMA * bps)
+
+    def predict(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> tuple[float, float] | None:
+        """(seconds to restore n tokens and prefill the rest, seconds to prefill it all), or None when a
+        speed it needs is not measured yet. Disk bytes also pay the copy to the device (the RAM speed)."""
+        tps = self.prefill_tps()
+        if tps <= 0 or (ram_bytes or disk_bytes) and not self.ram_bps or disk_bytes and not self.disk_bps:
+            return None
+        moved = (ram_bytes + disk_bytes) / self.ram_bps if self.ram_bps else 0.0
+        read = disk_bytes / self.disk_bps if disk_bytes else 0.0
+        return moved + read + (prompt_len - n) / tps, prompt_len / tps
+
+    def restore_pays(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> bool:
+        """Whether restoring n tokens beats recomputing them; counted either way."""
+        predicted = self.predict(prompt_len, n, ram_bytes, disk_bytes)
+        restore = predicted is None or predicted[0] < predicted[1]
+        with self._lock:
+            self.choices["restore" if restore else "recompute"] += 1
+        return restore
+
+    def stats(self) -> dict:
+        return {"prefill_tps": round(self.prefill_tps(), 1), "ram_gbps": round(self.ram_bps / 1e9, 3),
+                "disk_gbps": round(self.disk_bps / 1e9, 3), "choices": dict(self.choices)}

@@ -1,0 +1,37 @@
+"""Restore or recompute: the faster by the replica's measured speeds, and counted."""
+
+from cluster.kvcache.costs import Costs
+
+GB = 1 << 30
+
+
+def costs(tps=10_000.0, ram=50e9, disk=2e9) -> Costs:
+    return Costs(prefill_tps=lambda: tps, ram_bps=ram, disk_bps=disk)
+
+
+def test_a_ram_hit_beats_recomputing():
+    c = costs()
+    restore, cold = c.predict(8192, 8192 - 512, GB, 0)
+    assert restore == GB / 50e9 + 512 / 10_000 and cold == 8192 / 10_000
+    assert c.restore_pays(8192, 8192 - 512, GB, 0) and c.choices == {"restore": 1, "recompute": 0}
+
+
+def test_a_slow_disk_loses_to_a_fast_prefill():
+    c = costs(tps=40_000.0, disk=0.5e9)  # 2k tokens: 0.05 s to compute, 0.3 GB to read at 0.5 GB/s
+    assert not c.restore_pays(2048, 2048, 0, int(0.3e9))
+    assert c.restore_pays(2048, 2048, int(0.3e9), 0)  # the same bytes on the device: restore
+    assert c.choices == {"restore": 1, "recompute": 1}
+
+
+def test_nothing_measured_yet_takes_the_hit():
+    for c in (Costs(), costs(ram=0.0), costs(disk=0.0)):
+        assert c.predict(2048, 2048, 1, 1) is None and c.restore_pays(2048, 2048, 1, 1)
+
+
+def test_speeds_are_moving_averages_of_big_enough_transfers():
+    c = Costs()
+    c.observe("disk", 1000, 0.001)  # too small to say anything about bandwidth
+    assert c.disk_bps == 0.0
+    c.observe("disk", 2 * GB, 1.0)
+    c.observe("disk", 2 * GB, 2.0)
+    assert c.disk_bps == 0.7 * 2 * GB + 0.3 * GB
