@@ -110,6 +110,15 @@ class ModelReplica:
         model, tokenizer = load(str(path))
         cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
                             prefill_step=self.spec.prefill_step_tokens)
+        if cache.cache is not None and cache.cache.device:
+            from mlx.utils import tree_flatten
+
+            from cluster.engine.metal import budget_warning
+
+            weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+            warning = budget_warning(memory, weights, app.cache.ram_bytes)
+            if warning:
+                log.warning("%s: %s", self.spec.name, warning)
         # How prefill is cut, with the cache on or off: a bypassed cold run is cut as a cached one is.
         self.schedule = cache.cache.schedule if cache.cache is not None else \
             Schedule.of(app.cache.resume_at, app.cache.block_tokens, self.spec.prefill_step_tokens)

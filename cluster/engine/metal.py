@@ -36,3 +36,16 @@ def configure_memory() -> dict:
     log.info("Metal: wired and memory limits set to %.1f GiB (device memory %.1f GiB)",
              working_set / 2**30, info.get("memory_size", 0) / 2**30)
     return {"metal": True, "working_set": working_set, "memory_size": info.get("memory_size")}
+
+
+def budget_warning(memory: dict, weights_bytes: int, ram_tier_bytes: int) -> str | None:
+    """Why the RAM tier may not fit next to the weights in the GPU's working set (None: it fits, or no Metal).
+
+    The RAM tier holds device blocks (kvcache/device_blocks.py): on a Mac that is wired unified memory,
+    counted with the weights and the live caches."""
+    working_set = memory.get("working_set")
+    if not working_set or weights_bytes + ram_tier_bytes <= working_set:
+        return None
+    return (f"weights ({weights_bytes / 2**30:.1f} GiB) and the RAM tier ({ram_tier_bytes / 2**30:.1f} GiB, "
+            f"--cache-ram-gb) exceed the GPU's working set ({working_set / 2**30:.1f} GiB) before any live cache: "
+            f"lower --cache-ram-gb to at most {max(0, working_set - weights_bytes) / 2**30 * 0.75:.1f}")

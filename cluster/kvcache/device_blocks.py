@@ -86,6 +86,24 @@ def capture(kind: str, block_id: bytes, parent: bytes, start: int, tokens, entri
                        sum(a.nbytes for a in stacked))
 
 
+def capture_span(heads: list[tuple[bytes, bytes, int, object]], entries: list[list[mx.array]],
+                 runs: tuple[Run, ...], block_tokens: int) -> list[DeviceBlock]:
+    """KV blocks back to back, from each array's slice of their whole span (token axis 2, the span starting
+    at the first block): one stack per run, then one copy per block and run. A forward that completes
+    eight blocks costs a run's members plus eight copies, not eight times the members.
+
+    `heads`: (id, parent, start, tokens) of each block, in order; start - heads[0]'s start is its offset."""
+    spans = [mx.stack([entries[e][k] for e, k in run.members]) for run in runs]  # [members, 1, H, span, D]
+    first = heads[0][2]
+    out = []
+    for block_id, parent, start, tokens in heads:
+        lo = start - first
+        stacked = [mx.array(span[:, :, :, lo:lo + block_tokens]) for span in spans]
+        out.append(DeviceBlock("kv", block_id, parent, start, np.asarray(tokens, dtype="<u4"), stacked,
+                               sum(a.nbytes for a in stacked)))
+    return out
+
+
 def seal(blocks: list[DeviceBlock]) -> None:
     """Evaluate the captures together (one sync), so the live caches' buffers are free to update in place."""
     if blocks:

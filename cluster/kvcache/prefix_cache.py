@@ -263,6 +263,28 @@ class PrefixCache:
             self._put(block_id, "kv", block_id, parent, start, tokens, host_entries(arrays))
         self.counters.blocks_stored += 1
 
+    def store_blocks(self, first: int, heads: list[tuple[bytes, bytes, list[int]]], caches: list) -> None:
+        """KV blocks first, first + 1, ... that one forward completed ((id, parent, tokens) each): on a device
+        tier captured together, one slice per array for the whole span (device_blocks.capture_span), where
+        every layer holds the span whole; else one by one."""
+        todo = [(first + i, *head) for i, head in enumerate(heads)
+                if not self.tiers.ram.present([head[0]])[0] and head[0] not in self._packing]
+        if not todo:
+            return
+        start, end = todo[0][0] * self.B, (todo[-1][0] + 1) * self.B
+        whole = all(spec.window >= end - start for spec in self.layout.layers if isinstance(spec, SlidingWindow))
+        if not self.device or len(todo) < 2 or not whole:
+            for index, block_id, parent, tokens in todo:
+                self.store_block(index, block_id, parent, tokens, caches)
+            return
+        arrays = [capture_block(spec, cache, start, end, end - start) for spec, cache in zip(self.layout.layers, caches)]
+        blocks = device_blocks.capture_span([(block_id, parent, index * self.B, tokens)
+                                             for index, block_id, parent, tokens in todo],
+                                            arrays, self.runs["kv"], self.B)
+        for block in blocks:
+            self._keep(block.id, block)
+        self.counters.blocks_stored += len(blocks)
+
     def store_state(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], state: list) -> None:
         key = state_key(block_id)
         if self.tiers.ram.present([key])[0]:

@@ -85,10 +85,10 @@ class BlockSession:
             parent = self.ids[-1] if self.ids else None
             self.ids += chain_ids(self.pc.namespace, self.fed[: full * self.B], self.B, parent,
                                   start_block=len(self.ids))
-        while self.done_blocks < full:
-            j = self.done_blocks
-            self.pc.store_block(j, self.ids[j], self._parent(j), self._tokens(j), caches)
-            self.done_blocks += 1
+        if self.done_blocks < full:
+            self.pc.store_blocks(self.done_blocks, [(self.ids[j], self._parent(j), self._tokens(j))
+                                                    for j in range(self.done_blocks, full)], caches)
+            self.done_blocks = full
 
     def _checkpoint(self, caches: list, index: int) -> None:
         state = self.pc.snapshot_state(caches)
