@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from cluster.config import CacheConfig
-from cluster.engine.schedule import Schedule
+from cluster.engine.schedule import Schedule, on_gpu
 from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry
 from cluster.families.specs import FullAttention, Layout, QuantizedAttention, Recurrent, SlidingWindow
 from cluster.kvcache import device_blocks
@@ -124,6 +124,12 @@ class PrefixCache:
                     self._where[kind][e].append((r, i))
         self._merge = [all(isinstance(layout.layers[e], (FullAttention, QuantizedAttention)) for e, _ in run.members)
                        for run in self.runs["kv"]]
+        # How copies are batched. A GPU pays per kernel launch (a concatenate launches one copy per input):
+        # there a restore concatenates each run over the blocks first, and a capture copies a forward's whole
+        # span at once, for a few hundred launches where per-layer copies would take thousands. A CPU pays
+        # per byte: there each layer is built straight from the blocks and each block captured on its own,
+        # one copy of every byte. Both give the same arrays.
+        self.few_launches = on_gpu()
         self._unsealed: list[tuple[bytes, DeviceBlock]] = []
         if self.device:
             tiers.spill = lambda key, block: self._spill([(key, block)])
@@ -219,7 +225,7 @@ class PrefixCache:
             key = state_key(prefetch.ids[n // self.B - 1])
             state = self._on_device(key, prefetch.blocks[key], "state")
         # One concatenation per mergeable run, over all m blocks: [members, 1, H, m * B, D].
-        merged = [None if not ok else blocks[0].runs[r] if m == 1 else
+        merged = [None if not (ok and self.few_launches) else blocks[0].runs[r] if m == 1 else
                   mx.concatenate([b.runs[r] for b in blocks], axis=3) for r, ok in enumerate(self._merge)]
         capacity = self.schedule.capacity(n, prompt_len)
         caches = []
@@ -273,7 +279,7 @@ class PrefixCache:
             return
         start, end = todo[0][0] * self.B, (todo[-1][0] + 1) * self.B
         whole = all(spec.window >= end - start for spec in self.layout.layers if isinstance(spec, SlidingWindow))
-        if not self.device or len(todo) < 2 or not whole:
+        if not self.device or not self.few_launches or len(todo) < 2 or not whole:
             for index, block_id, parent, tokens in todo:
                 self.store_block(index, block_id, parent, tokens, caches)
             return

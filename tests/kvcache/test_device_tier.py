@@ -82,3 +82,15 @@ def test_restore_or_recompute_follows_the_predicted_costs(disk_harness):
     assert h.pc.stats()["costs"]["choices"] == costs.choices
     h.assert_same(cold_choice, h.cold(prompt))
     h.assert_same(hit, h.cold(prompt))
+
+
+@pytest.mark.parametrize("few_launches", [False, True])  # the CPU's way (one copy per byte) and a GPU's
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-swa", "tiny-hybrid", "tiny-gemma4"])
+def test_both_ways_of_batching_copies_capture_and_restore_the_same_bits(harness, name, few_launches):
+    h = harness(name)
+    h.pc.few_launches = few_launches  # spans captured at once and runs concatenated first, or not
+    h.warm(prompt_of(300), max_tokens=20)  # each 64-token chunk completes two 32-token blocks
+    prompt = prompt_of(400)
+    warm, cold = h.warm(prompt), h.cold(prompt)
+    assert warm.cached >= 256
+    h.assert_same(warm, cold)
