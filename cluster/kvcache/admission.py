@@ -197,7 +197,8 @@ class Admission:
                     if data is not None:
                         datas[i] = data
                         sources["disk"] += 1
-                        tiers.arrived(keys[i], data)  # promoted (a device tier's on restore): the next turn finds it in RAM
+                        if not tiers.device:  # promoted (a device tier's on restore): the next turn finds it in RAM
+                            tiers.ram.put(keys[i], data)
         bad = []
         for (kind, j, key), data in zip(reads, datas):
             if data is None:

@@ -65,7 +65,11 @@ class DeviceBlock:
     start: int
     tokens: np.ndarray  # uint32
     runs: list[mx.array]  # one per Run: [members, *shape]
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """What the RAM tier's budget counts."""
+        return sum(a.nbytes for a in self.runs)
 
     def member(self, run: int, i: int) -> mx.array:
         """Member i of run `run`: a view, no copy."""
@@ -82,8 +86,7 @@ def capture(kind: str, block_id: bytes, parent: bytes, start: int, tokens, entri
     for run in runs:
         members = [entries[e][k] for e, k in run.members]
         stacked.append(mx.stack(members) if len(members) > 1 else mx.array(members[0])[None])
-    return DeviceBlock(kind, block_id, parent, start, np.asarray(tokens, dtype="<u4"), stacked,
-                       sum(a.nbytes for a in stacked))
+    return DeviceBlock(kind, block_id, parent, start, np.asarray(tokens, dtype="<u4"), stacked)
 
 
 def capture_span(heads: list[tuple[bytes, bytes, int, object]], entries: list[list[mx.array]],
@@ -99,8 +102,7 @@ def capture_span(heads: list[tuple[bytes, bytes, int, object]], entries: list[li
     for block_id, parent, start, tokens in heads:
         lo = start - first
         stacked = [mx.array(span[:, :, :, lo:lo + block_tokens]) for span in spans]
-        out.append(DeviceBlock("kv", block_id, parent, start, np.asarray(tokens, dtype="<u4"), stacked,
-                               sum(a.nbytes for a in stacked)))
+        out.append(DeviceBlock("kv", block_id, parent, start, np.asarray(tokens, dtype="<u4"), stacked))
     return out
 
 
@@ -132,7 +134,7 @@ def from_host(block: Block, runs: tuple[Run, ...]) -> DeviceBlock:
         arrays = [block.entries[e][k][1] for e, k in run.members]
         stacked.append(to_mlx((run.tag, _stacked(arrays))))
     return DeviceBlock(block.kind, block.id, block.parent, block.start, np.asarray(block.tokens, dtype="<u4"),
-                       stacked, sum(a.nbytes for a in stacked))
+                       stacked)
 
 
 def _stacked(arrays: list[np.ndarray]) -> np.ndarray:

@@ -4,9 +4,10 @@ It restores the prefix the admission stage fetched, cuts prefill chunks where th
 schedule says (engine/schedule.py; on the block schedule also where a recurrent
 checkpoint is due), and after every forward stores each newly completed block
 the schedule keeps (prompt or generated), before a sliding window can rotate
-its tokens out, and seals them (one evaluation of their device copies). During decode it keeps (by reference, no copy) the recurrent
-state at the latest block end, and stores it when the request ends, so the
-next turn of a chat can resume right after this reply.
+its tokens out, and seals them (one evaluation of their device copies). During
+decode it keeps (by reference, no copy) the recurrent state at the latest block
+end, and stores it when the request ends, so the next turn of a chat can resume
+right after this reply.
 """
 
 from __future__ import annotations

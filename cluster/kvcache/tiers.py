@@ -52,9 +52,8 @@ class Tiers:
             self.disk.put(key, data)
 
     def arrived(self, key: bytes, data) -> None:
-        """A checked envelope read from the disk or pulled from a peer (admission threads). An envelope
-        tier keeps it; a device tier gets the block when the model thread restores it (PrefixCache), and
-        the disk keeps a pulled one (a no-op for one it read)."""
+        """A checked envelope pulled from a peer (admission threads): through to this node's disk, and into
+        an envelope tier; a device tier gets the block when the model thread restores it (PrefixCache)."""
         if not self.device:
             self.ram.put(key, data)
         if self.disk is not None:
