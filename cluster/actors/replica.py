@@ -63,6 +63,9 @@ class ModelReplica:
         self.admission = self.peers = self.publisher = None
         if self.cache.cache is not None:
             self.cache.cache.costs.prefill_tps = lambda: self.scheduler.prefill_tps  # restore or recompute
+            if self.cache.cache.device:  # spills wait for the model thread to be idle (PrefixCache.spill_idle)
+                self.cache.cache.spill_when_idle = True
+                self.scheduler.when_idle(self.cache.cache.spill_idle)
             self.peers = PeerClient(self.cache.cache.namespace)
             self.admission = Admission(self.cache.cache, ThreadPoolExecutor(ADMISSION_THREADS, "mlx-fleet-admit"),
                                        app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)
@@ -258,6 +261,9 @@ class ModelReplica:
         loopback.check_listeners()
 
     def __del__(self):
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            scheduler.stop()  # first: its last idle work hands the spill backlog to the disk client
         cache = getattr(self, "cache", None)
         disk = cache.cache.tiers.disk if cache is not None and cache.cache is not None else None
         if disk is not None:
@@ -272,9 +278,6 @@ class ModelReplica:
         publisher = getattr(self, "publisher", None)
         if publisher is not None:
             publisher.close()
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None:
-            scheduler.stop()
 
 
 def _ray_node_id() -> str:

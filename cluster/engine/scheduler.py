@@ -18,6 +18,9 @@ each turn of the loop:
 
 Sequential (`batching=False`, or caches that cannot batch): every active
 sequence takes one step per turn, alone: a prefill chunk or one token.
+
+While no sequence is in flight it runs the idle work registered with
+`when_idle` (a device tier's spills to the disk), a bounded piece at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,6 +40,9 @@ from cluster.engine.events import TERMINAL, Event, Failed
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.005  # between pieces of idle work, the inbox is watched this long for a request
+DRAIN_IDLE_S = 5.0  # at stop, idle work left (spills) gets this long to finish
 
 Emit = Callable[[list[Event]], None]
 T = TypeVar("T")
@@ -72,6 +79,7 @@ class Scheduler:
         self.batched_steps = 0
         self.batched_rows = 0  # sum over batched steps of the rows in them (mean batch = rows / steps)
         self.prefill_tps: float = 0.0  # moving average of measured prefill throughput (0: not measured yet)
+        self._idle: list[Callable[[], bool]] = []  # model-thread work for when no sequence is in flight
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -161,6 +169,12 @@ class Scheduler:
         self.call(task)
         return future.result(timeout_s)
 
+    def when_idle(self, fn: Callable[[], bool]) -> None:
+        """Run `fn` on the model thread whenever no sequence is in flight (a device tier's spills: see
+        PrefixCache.spill_idle). It returns whether it has more to do; then it runs again once the
+        inbox has been empty for IDLE_POLL_S. A request that arrives waits for one call at most."""
+        self.call(lambda: self._idle.append(fn))
+
     def stop(self) -> None:
         self._stopping = True
         self._inbox.put(("stop", "", None, None))
@@ -177,7 +191,10 @@ class Scheduler:
         import mlx.core as mx
 
         while not self._stopping:
-            self._drain(block=not self._jobs)
+            if not self._jobs and self._idle_round():
+                self._drain(block=True, timeout_s=IDLE_POLL_S)
+            else:
+                self._drain(block=not self._jobs)
             if self.batching:
                 self._turn_batched()
             else:
@@ -189,6 +206,18 @@ class Scheduler:
         for job in list(self._jobs.values()):
             job.seq.close()
             job.emit([Failed("replica is shutting down", status=503)])
+        deadline = time.monotonic() + DRAIN_IDLE_S  # what waits for idle (spills) goes out before the end
+        while time.monotonic() < deadline and self._idle_round():
+            time.sleep(IDLE_POLL_S)
+
+    def _idle_round(self) -> bool:
+        more = False
+        for fn in self._idle:
+            try:
+                more = bool(fn()) or more
+            except Exception:  # idle work is best effort; the model thread must go on
+                log.exception("idle work failed")
+        return more
 
     # -- sequential -------------------------------------------------------------
     def _step_alone(self, job: Job) -> None:
@@ -311,10 +340,10 @@ class Scheduler:
             tps = tokens / seconds
             self.prefill_tps = tps if not self.prefill_tps else (1 - self.EMA) * self.prefill_tps + self.EMA * tps
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout_s: float | None = None) -> None:
         while True:
             try:
-                kind, request_id, obj, emit = self._inbox.get(block=block)
+                kind, request_id, obj, emit = self._inbox.get(block=block, timeout=timeout_s if block else None)
             except queue.Empty:
                 return
             block = False

@@ -139,32 +139,39 @@ def payload_signature(spec: LayerSpec, cache, block_tokens: int) -> tuple[tuple,
 
 
 # -- restore ---------------------------------------------------------------
-def _token_prefix(parts: list[list[mx.array]], n: int, block_tokens: int, capacity: int) -> list[mx.array]:
-    """Concatenate per-block arrays along tokens, keep the first n, pad to `capacity`."""
-    m = -(-n // block_tokens)
-    if m > len(parts) or any(p is None for p in parts[:m]):
-        raise RestoreError(f"need {m} blocks for {n} tokens, have {len(parts)}")
+def _token_prefix(parts: list[list[mx.array]], n: int, capacity: int) -> list[mx.array]:
+    """Concatenate parts (each its arrays for some tokens, axis 2) in order, keep the first n tokens, pad to
+    `capacity`. Parts: per-block arrays, a run of blocks concatenated already, a prompt's tail (tails.py)."""
+    used, have = [], 0
+    for part in parts:
+        if have >= n:
+            break
+        if part is None:
+            break
+        used.append(part)
+        have += part[0].shape[2]
+    if have < n:
+        raise RestoreError(f"need {n} tokens, the parts hold {have} before a gap")
     out = []
-    for k in range(len(parts[0])):
-        pieces = [parts[j][k] for j in range(m)]
-        tail = n - (m - 1) * block_tokens
-        pieces[-1] = pieces[-1][..., :tail, :]
+    for k in range(len(used[0])):
+        pieces = [p[k] for p in used]
+        last = pieces[-1]
+        pieces[-1] = last[..., :last.shape[2] - (have - n), :]
         first = pieces[0]
-        pad_shape = (*first.shape[:2], capacity - n, first.shape[3])
-        pieces.append(mx.zeros(pad_shape, dtype=first.dtype))
+        pieces.append(mx.zeros((*first.shape[:2], capacity - n, first.shape[3]), dtype=first.dtype))
         out.append(mx.concatenate(pieces, axis=2))
     return out
 
 
 def _restore_full(spec, parts, n: int, block_tokens: int, capacity: int):
-    keys, values = _token_prefix(parts, n, block_tokens, capacity)
+    keys, values = _token_prefix(parts, n, capacity)
     cache = KVCache()
     cache.keys, cache.values, cache.offset = keys, values, n
     return cache
 
 
 def _restore_quantized(spec: QuantizedAttention, parts, n: int, block_tokens: int, capacity: int):
-    arrays = _token_prefix(parts, n, block_tokens, capacity)
+    arrays = _token_prefix(parts, n, capacity)
     cache = QuantizedKVCache(group_size=spec.group_size, bits=spec.bits)
     cache.keys, cache.values, cache.offset = tuple(arrays[:3]), tuple(arrays[3:]), n
     return cache
@@ -208,7 +215,8 @@ def restore_entry(spec: LayerSpec, parts: list[Optional[list[mx.array]]], n: int
                   capacity: int, state: Optional[list[mx.array]] = None):
     """Rebuild one cache entry at position n from per-block arrays (and, for recurrent, a checkpoint).
 
-    `capacity`: the token capacity of a K/V buffer (Schedule.capacity; a sliding window's is its own)."""
+    Full and quantized entries take parts of any token length in order (`block_tokens` is for sliding
+    ones, whose parts are blocks' stored tails). `capacity`: the token capacity of a K/V buffer (Schedule.capacity; a sliding window's is its own)."""
     if isinstance(spec, Recurrent):
         if state is None or len(state) != spec.arrays:
             raise RestoreError(f"recurrent entry needs a checkpoint at exactly {n}")

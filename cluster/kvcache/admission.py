@@ -6,6 +6,7 @@ admission thread, and the model thread receives ready, verified blocks.
 
     chain ids -> which leading blocks RAM, then the disk, hold (one lookup each)
               -> (hybrids) which checkpoints exist
+              -> the prompt's tail, if RAM holds it (tails.py): then n = len(prompt) - 1
               -> plan n -> read what n needs (RAM, then one batched disk read)
               -> decode and check every block that crossed the process boundary (disk,
                  peer) against the model (shape, dtype, ...); a RAM hit is a device
@@ -98,20 +99,26 @@ class Admission:
                 hit, pulled_from = hit + got, pull.peer
                 hit += self._leading(want[hit:]) if hit < len(want) else 0
         checkpoints = self._checkpoints(ids, len(prompt), hit, blocks)
+        tail = pc.tail_for(prompt, ids)
         sources = {"ram": 0, "disk": 0}
         for round_ in range(ROUNDS):
-            n = planner.best(len(prompt), hit, checkpoints)
-            if not n:
-                break
-            reads = planner.reads(ids, n)
-            if round_ == 0 and not self._restore_pays(len(prompt), n, [r for r in reads if r[2] not in blocks]):
+            if tail is not None and hit * pc.B >= tail.start:  # the very same prompt: every token but the last
+                n, reads = len(prompt) - 1, [("kv", j, ids[j]) for j in range(tail.start // pc.B)]
+            else:
+                tail = None
+                n = planner.best(len(prompt), hit, checkpoints)
+                if not n:
+                    break
+                reads = planner.reads(ids, n)
+            if round_ == 0 and not self._restore_pays(len(prompt), n, [r for r in reads if r[2] not in blocks],
+                                                      tail.nbytes if tail is not None else 0):
                 break  # recomputing is predicted faster (costs.py): cold
             bad = self._fetch([r for r in reads if r[2] not in blocks], ids, blocks, sources)
             if not bad:
                 fetched = max(0, n - own * pc.B) if pulled_from else 0
                 return Prefetch(ids=ids, n=n, blocks={k: blocks[k] for _, _, k in reads},
                                 from_ram=sources["ram"], from_disk=sources["disk"], fetched=fetched,
-                                fetched_from=pulled_from if fetched else None)
+                                fetched_from=pulled_from if fetched else None, tail=tail)
             for kind, j in bad:  # shrink: nothing at or after a bad block, no bad checkpoint
                 if kind == "kv":
                     hit = min(hit, j)
@@ -120,12 +127,12 @@ class Admission:
         return Prefetch(ids=ids)
 
     # -----------------------------------------------------------------------------------
-    def _restore_pays(self, prompt_len: int, n: int, reads: list[tuple[str, int, bytes]]) -> bool:
-        """The restore-or-recompute choice for a plan, by the bytes each tier would move."""
+    def _restore_pays(self, prompt_len: int, n: int, reads: list[tuple[str, int, bytes]], tail_bytes: int = 0) -> bool:
+        """The restore-or-recompute choice for a plan, by the bytes each tier would move (a tail's: RAM)."""
         pc = self.cache
         in_ram = pc.tiers.ram.present([k for _, _, k in reads])
         size = {"kv": pc.block_bytes, "state": pc.shapes.state_bytes}
-        ram = sum(size[kind] for (kind, _, _), held in zip(reads, in_ram) if held)
+        ram = tail_bytes + sum(size[kind] for (kind, _, _), held in zip(reads, in_ram) if held)
         disk = sum(size[kind] for (kind, _, _), held in zip(reads, in_ram) if not held)
         return pc.costs.restore_pays(prompt_len, n, ram, disk)
 

@@ -139,6 +139,11 @@ class DiskClient:
             log.warning("releasing a disk read failed: %s", e)
         return out
 
+    def backlog_bytes(self) -> int:
+        """Bytes queued or being written now."""
+        with self._cond:
+            return self._pending_bytes
+
     def holds(self, key: bytes) -> bool:
         """The disk has this block, or it is queued for it."""
         with self._cond:

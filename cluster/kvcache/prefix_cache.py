@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -41,16 +42,19 @@ from cluster.families.specs import FullAttention, Layout, QuantizedAttention, Re
 from cluster.kvcache import device_blocks
 from cluster.kvcache.costs import Costs
 from cluster.kvcache.device_blocks import DeviceBlock
-from cluster.kvcache.disk_client import Pending
+from cluster.kvcache.disk_client import BATCH_BYTES, Pending
 from cluster.kvcache.payload_codec import TurboQuantPayload
 from cluster.kvcache.plan import Planner
+from cluster.kvcache.tails import Tail, capture_tail
 from cluster.kvcache.tiers import Tiers
 from cluster.store import block_format
 from cluster.store.arrays import host_views
 from cluster.store.block_format import REASONS, Block, BlockError, Expect, Signature
-from cluster.store.hashing import state_key
+from cluster.store.hashing import state_key, tail_key
 
 log = logging.getLogger(__name__)
+
+SPILL_DELAY_S = 2.0  # a captured block waits at most this long for the model thread to be idle
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Prefetch:
     from_disk: int = 0
     fetched: int = 0  # of the n tokens, how many come from blocks pulled from a peer
     fetched_from: Optional[str] = None
+    tail: Optional[Tail] = None  # the prompt's tail (tails.py): n is then len(prompt) - 1
 
 
 @dataclass
@@ -75,6 +80,8 @@ class CacheCounters:
     hit_tokens: int = 0
     blocks_stored: int = 0
     checkpoints_stored: int = 0
+    tails_stored: int = 0
+    tail_hits: int = 0
     capture_errors: int = 0
     corrupt: dict = field(default_factory=lambda: {r: 0 for r in REASONS})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -86,7 +93,7 @@ class CacheCounters:
     def as_dict(self) -> dict:
         return {"lookups": self.lookups, "hit_requests": self.hit_requests, "hit_tokens": self.hit_tokens,
                 "blocks_stored": self.blocks_stored, "checkpoints_stored": self.checkpoints_stored,
-                "capture_errors": self.capture_errors, "corrupt": dict(self.corrupt)}
+                "tails_stored": self.tails_stored, "tail_hits": self.tail_hits, "capture_errors": self.capture_errors, "corrupt": dict(self.corrupt)}
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,7 @@ class PrefixCache:
         self.payload = payload  # None: KV blocks hold the model's own arrays
         self.kv_arrays = payload.signature() if payload is not None else shapes.kv
         self.device = tiers.device  # RAM holds device blocks (else envelopes, for a packing codec)
+        self.tails = self.device and self.schedule.canonical  # keep prompts' partial last chunks (tails.py)
         self.runs = {"kv": device_blocks.runs_of(shapes.kv), "state": device_blocks.runs_of(shapes.state)}
         # Per kind, per entry: (run, member) of each of its arrays. A run is concatenated over blocks in one
         # op when every member is a full-length K/V (a sliding window's tail is not).
@@ -131,8 +139,17 @@ class PrefixCache:
         # one copy of every byte. Both give the same arrays.
         self.few_launches = on_gpu()
         self._unsealed: list[tuple[bytes, DeviceBlock]] = []
+        # Spills of a device tier wait for the model thread to be idle (spill_idle), where a scheduler runs
+        # one: reading device blocks from the host costs a GPU that is working (CUDA migrates managed pages;
+        # the envelope's hashing competes for the interpreter). Captured blocks wait here, in RAM anyway.
+        self.spill_when_idle = False
+        self._backlog: "OrderedDict[bytes, tuple[DeviceBlock, float]]" = OrderedDict()
+        # On CUDA every array is managed memory: a host read moves its pages to the host, and the next
+        # restore pays to move them back (150 ms for an 8k prompt's 1.2 GB on the H200). So a spill reads a
+        # device copy made for it (7 ms for the same bytes), and the RAM tier's arrays stay on the GPU.
+        self._stage = _cuda()
         if self.device:
-            tiers.spill = lambda key, block: self._spill([(key, block)])
+            tiers.spill = self._evicted
         self.codec_quality: Optional[dict] = None
         # Packing costs CPU the model thread must not spend: KV blocks of a lossy codec are packed on a
         # thread of their own, and reach the tiers when packed (until then a lookup simply misses them).
@@ -205,44 +222,52 @@ class PrefixCache:
                 caches = self._build(prefetch, n, len(prompt))
                 self.counters.hit_requests += 1
                 self.counters.hit_tokens += n
+                self.counters.tail_hits += prefetch.tail is not None
                 return caches, n, prefetch.ids
             except Exception as e:  # any failure is a miss: never an answer, never a 500
                 reason = e.reason if isinstance(e, BlockError) else "unexpected"
                 log.warning("restoring %d cached tokens failed (%s: %s); prefilling cold and dropping its blocks",
                             n, type(e).__name__, e)
                 self.counters.refused(reason)
-                for key in self.planner.keys(prefetch.ids, n):
+                for key in [*prefetch.blocks, *([prefetch.tail.id] if prefetch.tail else [])]:
+                    self._backlog.pop(key, None)
                     self.tiers.discard(key, reason, f"restore failed: {type(e).__name__}: {e}")
         return self.new_caches(), 0, prefetch.ids
 
     def _build(self, prefetch: Prefetch, n: int, prompt_len: int) -> list:
         t0 = time.perf_counter()
-        m = math.ceil(n / self.B)
+        tail = prefetch.tail
+        upto = tail.start if tail is not None else n  # tokens from blocks; a tail holds the rest
+        m = math.ceil(upto / self.B)
         resident = all(isinstance(prefetch.blocks[prefetch.ids[j]], DeviceBlock) for j in range(m))
         blocks = [self._on_device(prefetch.ids[j], prefetch.blocks[prefetch.ids[j]], "kv") for j in range(m)]
         state = None
-        if self.layout.has_recurrent:
+        if self.layout.has_recurrent and tail is None:
             key = state_key(prefetch.ids[n // self.B - 1])
             state = self._on_device(key, prefetch.blocks[key], "state")
         # One concatenation per mergeable run, over all m blocks: [members, 1, H, m * B, D].
-        merged = [None if not (ok and self.few_launches) else blocks[0].runs[r] if m == 1 else
+        merged = [None if not (ok and self.few_launches and m) else blocks[0].runs[r] if m == 1 else
                   mx.concatenate([b.runs[r] for b in blocks], axis=3) for r, ok in enumerate(self._merge)]
         capacity = self.schedule.capacity(n, prompt_len)
         caches = []
         for e, spec in enumerate(self.layout.layers):
+            rest = [tail.entry(e)] if tail is not None else []
             if isinstance(spec, Recurrent):
-                arrays = [state.member(r, i) for r, i in self._where["state"][e]] if state else None
+                arrays = rest[0] if tail is not None else [state.member(r, i) for r, i in self._where["state"][e]]
                 caches.append(restore_entry(spec, [], n, self.B, capacity, arrays))
-            elif all(merged[r] is not None for r, _ in self._where["kv"][e]):
+            elif isinstance(spec, SlidingWindow) and tail is not None:  # the tail holds the whole window
+                caches.append(restore_entry(spec, rest, n, n, capacity))
+            elif m and all(merged[r] is not None for r, _ in self._where["kv"][e]):
                 whole = [mx.squeeze(merged[r][i:i + 1], 0) for r, i in self._where["kv"][e]]
-                caches.append(restore_entry(spec, [whole], n, m * self.B, capacity))  # one part of m blocks
+                caches.append(restore_entry(spec, [whole] + rest, n, self.B, capacity))  # m blocks as one part
             else:
                 first = max(0, (n - spec.window) // self.B - 1) if isinstance(spec, SlidingWindow) else 0
                 parts = [None] * first + [[b.member(r, i) for r, i in self._where["kv"][e]] for b in blocks[first:]]
-                caches.append(restore_entry(spec, parts, n, self.B, capacity))
+                caches.append(restore_entry(spec, parts + rest, n, self.B, capacity))
         mx.eval([c.state for c in caches])
         if resident:  # the RAM tier's speed: what the restore-or-recompute choice predicts with
-            self.costs.observe("ram", sum(b.nbytes for b in blocks), time.perf_counter() - t0)
+            moved = sum(b.nbytes for b in blocks) + (tail.nbytes if tail is not None else 0)
+            self.costs.observe("ram", moved, time.perf_counter() - t0)
         return caches
 
     def _on_device(self, key: bytes, block, kind: str) -> DeviceBlock:
@@ -302,32 +327,92 @@ class PrefixCache:
             self._put(key, "state", block_id, parent, index * self.B, tokens, host_entries(state))
         self.counters.checkpoints_stored += 1
 
+    def store_tail(self, prompt: list[int], ids: list[bytes], caches: list) -> None:
+        """Keep the prompt's tail (tails.py) once every prompt token but the last is in `caches`."""
+        start, end = self.kept_tokens(len(prompt)), len(prompt) - 1
+        if not self.tails or end <= start:
+            return
+        parent = ids[start // self.B - 1] if start else self.namespace
+        key = tail_key(parent, prompt[start:end])
+        if self.tiers.ram.present([key])[0]:
+            return
+        self._keep(key, capture_tail(self.layout, caches, key, parent, start, prompt[start:end]))
+        self.counters.tails_stored += 1
+
+    def tail_for(self, prompt: list[int], ids: list[bytes]) -> Optional[Tail]:
+        """The prompt's tail, if RAM holds it (admission threads: a reference, no MLX)."""
+        start, end = self.kept_tokens(len(prompt)), len(prompt) - 1
+        if not self.tails or end <= start:
+            return None
+        held = self.tiers.ram.get(tail_key(ids[start // self.B - 1] if start else self.namespace, prompt[start:end]))
+        return held if isinstance(held, Tail) else None
+
     def _keep(self, key: bytes, block: DeviceBlock) -> None:
         """Into the device RAM tier; evaluated by the next seal()."""
         self._unsealed.append((key, block))
         self.tiers.ram.put(key, block)
 
     def seal(self) -> None:
-        """Evaluate the blocks captured since the last seal (one sync), and queue for the disk those it
-        lacks. The session calls it after each forward's captures (model thread)."""
-        if not self._unsealed:
-            return
-        blocks, self._unsealed = self._unsealed, []
-        device_blocks.seal([b for _, b in blocks])
+        """Evaluate the blocks captured since the last seal (one sync), and spill those the disk lacks (or
+        put them in the backlog, see spill_idle). The session calls it after each forward's captures
+        (model thread)."""
+        if self._unsealed:
+            blocks, self._unsealed = self._unsealed, []
+            device_blocks.seal([b for _, b in blocks])
+            disk = self.tiers.disk
+            if disk is not None:
+                self._spill([(k, b) for k, b in blocks if b.kind != "tail" and not disk.holds(k)])
+        if self._backlog:  # never idle for long (sustained load): what waited too long goes now
+            due = time.monotonic() - SPILL_DELAY_S
+            self._write_out([(k, self._backlog.pop(k)[0]) for k, (_, t) in list(self._backlog.items()) if t < due])
+
+    def spill_idle(self) -> bool:
+        """Model thread, no sequence in flight: hand the disk the backlog's next batch once it has taken
+        the last one. Returns whether a backlog is left (the scheduler calls again, soon)."""
         disk = self.tiers.disk
-        if disk is not None:
-            self._spill([(k, b) for k, b in blocks if not disk.holds(k)])
+        if disk is None or not self._backlog:
+            return False
+        if disk.backlog_bytes() < BATCH_BYTES:
+            batch, size = [], 0
+            while self._backlog and size < BATCH_BYTES:
+                key, (block, _) = self._backlog.popitem(last=False)
+                batch.append((key, block))
+                size += block.nbytes
+            self._write_out(batch)
+        return bool(self._backlog)
 
     def _spill(self, items: list[tuple[bytes, DeviceBlock]]) -> None:
-        """Queue device blocks for the disk: numpy views taken here (model thread, one evaluation), the
-        envelope made on the disk client's thread."""
+        if self.tiers.disk is None or not items:
+            return
+        if not self.spill_when_idle:
+            self._write_out(items)
+            return
+        now = time.monotonic()
+        for key, block in items:
+            self._backlog[key] = (block, now)
+
+    def _evicted(self, key: bytes, block: DeviceBlock) -> None:
+        """The RAM tier let a block go that the disk lacks: it spills now (the backlog holds only blocks RAM
+        holds too, so it never keeps memory beyond the tier's budget)."""
+        self._backlog.pop(key, None)
+        self._write_out([(key, block)])
+
+    def _write_out(self, items: list[tuple[bytes, DeviceBlock]]) -> None:
+        """Queue device blocks for the disk: numpy views taken here (model thread, one evaluation; of a device
+        copy on CUDA), the envelope made on the disk client's thread."""
         disk = self.tiers.disk
         if disk is None or not items:
             return
-        hosts = device_blocks.to_host([b for _, b in items], [self.runs[b.kind] for _, b in items],
-                                      len(self.layout.layers))
+        sources = [b for _, b in items]
+        if self._stage:
+            sources = [DeviceBlock(b.kind, b.id, b.parent, b.start, b.tokens, [mx.array(a) for a in b.runs])
+                       for b in sources]
+        hosts = device_blocks.to_host(sources, [self.runs[b.kind] for b in sources], len(self.layout.layers))
         for (key, block), entries in zip(items, hosts):
             disk.put(key, Pending(block.nbytes, lambda block=block, entries=entries: self._envelope(block, entries)))
+
+    def backlog(self) -> dict:
+        return {"blocks": len(self._backlog), "bytes": sum(b.nbytes for b, _ in self._backlog.values())}
 
     def _envelope(self, block: DeviceBlock, entries: list) -> memoryview:
         return block_format.encode(Block(kind=block.kind, namespace=self.namespace, id=block.id, parent=block.parent,
@@ -376,6 +461,8 @@ class PrefixCache:
         out = {"block_tokens": self.B, "checkpoint_every": self.every, "resume_at": self.schedule.mode,
                "chunk_tokens": self.schedule.chunk_tokens, **self.counters.as_dict(),
                **self.tiers.stats(), "costs": self.costs.stats()}
+        if self.tiers.disk is not None and self.device:
+            out["spill_backlog"] = self.backlog()
         if self.codec_quality is not None:
             out["codec_quality"] = self.codec_quality
         return out
@@ -417,3 +504,8 @@ def layout_byte_sizes(layout: Layout, caches: list) -> tuple[int, int]:
         per_token += sum(a.nbytes // a.shape[2] for a in arrays)
     return state, per_token
 
+
+def _cuda() -> bool:
+    """MLX runs on its CUDA backend (managed memory), not Metal's unified memory or the CPU."""
+    cuda = getattr(mx, "cuda", None)
+    return on_gpu() and cuda is not None and cuda.is_available()

@@ -4,7 +4,8 @@ It restores the prefix the admission stage fetched, cuts prefill chunks where th
 schedule says (engine/schedule.py; on the block schedule also where a recurrent
 checkpoint is due), and after every forward stores each newly completed block
 the schedule keeps (prompt or generated), before a sliding window can rotate
-its tokens out, and seals them (one evaluation of their device copies). During
+its tokens out, and seals them (one evaluation of their device copies). Once the
+prompt is prefilled, it keeps the prompt's tail too (tails.py). During
 decode it keeps (by reference, no copy) the recurrent state at the latest block
 end, and stores it when the request ends, so the next turn of a chat can resume
 right after this reply.
@@ -59,6 +60,8 @@ class BlockSession:
             self._store_blocks(caches)
             if self.pc.layout.has_recurrent and fed and len(fed) % self.B == 0 and len(fed) <= self.kept:
                 self._checkpoint(caches, len(fed) // self.B - 1)
+            if len(fed) == len(self.prompt) - 1:  # prefilled: the prompt's tail, for the very same prompt
+                self.pc.store_tail(self.prompt, self.ids, caches)
         except CaptureError as e:  # never fail a request because a block could not be kept
             self.pc.counters.capture_errors += 1
             log.warning("could not capture a block: %s", e)

@@ -74,7 +74,7 @@ class Tiers:
     def _on_ram(self, event: str, key: bytes, data) -> None:
         if event == "evicted" and self.disk is not None and not self.disk.holds(key):
             if isinstance(data, DeviceBlock):
-                if self.spill is not None:
+                if self.spill is not None and data.kind != "tail":  # a prompt's tail stays in RAM (tails.py)
                     self.spill(key, data)
             else:
                 self.disk.put(key, data)
@@ -98,8 +98,8 @@ class Tiers:
 
 def _head(data) -> Optional[tuple[str, bytes, bytes, int]]:
     """(kind, id, parent, tokens) of a held block; None for bytes that are no envelope."""
-    if isinstance(data, DeviceBlock):
-        return data.kind, data.id, data.parent, len(data.tokens)
+    if isinstance(data, DeviceBlock):  # a prompt's tail is no block: never announced (tails.py)
+        return None if data.kind == "tail" else (data.kind, data.id, data.parent, len(data.tokens))
     try:
         h = block_format.peek(data)
     except BlockError:

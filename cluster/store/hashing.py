@@ -11,7 +11,9 @@ which already pins the block size and codec: ids of different models or
 settings can never collide on purpose or by accident.
 
 A recurrent checkpoint taken at the end of block i is stored under
-state_key(id_i), so it is found from the same chain.
+state_key(id_i), so it is found from the same chain. A prompt's tail (the
+tokens after its last kept block, kvcache/tails.py) is kept under
+tail_key(id of that block, the tail's tokens).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from blake3 import blake3
 
 _TAG = b"mlxf-block\x01"
 _STATE_TAG = b"mlxf-state\x01"
+_TAIL_TAG = b"mlxf-tail\x01"
 ID_BYTES = 32
 
 
@@ -71,3 +74,9 @@ def chain_ids(namespace: bytes, tokens: Sequence[int], block_tokens: int, parent
 def state_key(block: bytes) -> bytes:
     """Key of the recurrent-state checkpoint taken at the end of `block`."""
     return blake3(_STATE_TAG + block).digest()
+
+
+def tail_key(parent: bytes, tokens) -> bytes:
+    """Key of a prompt's tail: `tokens` right after the block `parent` (the namespace for a prompt's start)."""
+    data = _u32le(tokens)
+    return blake3(_TAIL_TAG + parent + len(data).to_bytes(4, "little") + data).digest()

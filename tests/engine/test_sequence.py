@@ -1,5 +1,7 @@
 """The engine against mlx-lm's own generate_step, which is the reference."""
 
+import time
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -115,3 +117,28 @@ def test_a_chat_reply_drops_the_leading_space_as_mlx_lm_does(load_builtin):
     model, tok = load_builtin("tiny-swa")
     text, ids = streamed_text(model, tok, tok.encode(WORDS), trim=True)
     assert text == tok.decode(ids)[1:]
+
+
+def test_idle_work_runs_only_while_no_sequence_is_in_flight(load_builtin):
+    """What waits for idle (a device tier's spills) never runs beside a sequence, and runs again while it
+    says it has more to do; a request arriving meanwhile is served."""
+    model, tok = load_builtin("tiny-dense")
+    scheduler = Scheduler()
+    calls: list[int] = []
+    left = {"n": 200}
+
+    def idle() -> bool:
+        calls.append(len(scheduler._jobs))
+        left["n"] -= 1
+        return left["n"] > 0
+
+    scheduler.when_idle(idle)
+    got = scheduler.run_all([Sequence(PROMPT, GenerationParams(max_tokens=10), model, tok, ColdSession(model))], 60)
+    assert isinstance(got[0][-1], Finished)
+    deadline = time.monotonic() + 30
+    while left["n"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    done = len(calls)  # once it has said it is done, it is not called again until there is a reason to
+    scheduler.stop()
+    assert done == 200 and set(calls) == {0}

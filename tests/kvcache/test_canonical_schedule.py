@@ -65,16 +65,44 @@ def test_an_extended_prompt_resumes_at_the_last_cut_and_is_bitwise_cold(chunked,
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_the_same_prompt_again_resumes_at_its_last_cut(chunked, name):
+def test_the_same_prompt_again_restores_all_but_its_last_token_from_its_tail(chunked, name):
+    """Blocks up to the last cut (192), then the tail the first run kept of its partial chunk [192, 199)."""
     h = chunked(name)
     prompt = prompt_of(200)
     first, again = h.warm(prompt), h.warm(prompt)
-    assert (first.cached, again.cached) == (0, 192)
+    assert (first.cached, again.cached) == (0, 199)
+    assert (h.pc.counters.tails_stored, h.pc.counters.tail_hits) == (1, 1)
     h.assert_same(again, first)
     if h.pc.layout.has_recurrent:  # checkpoints at cuts only (every few, and the last kept one: 192)
         ids = chain_ids(h.pc.namespace, prompt, B)
         held = h.pc.tiers.ram.present([state_key(i) for i in ids])
         assert held[192 // B - 1] and all((j + 1) * B % C == 0 for j, x in enumerate(held) if x), held
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_prompt_shorter_than_a_chunk_is_its_tail_alone(chunked, name):
+    """No complete chunk, so no block is kept; the tail alone restores the same prompt, and one with another
+    last token (which runs alone in either run), bitwise as cold."""
+    h = chunked(name)
+    prompt = prompt_of(50)
+    first = h.warm(prompt)
+    assert in_ram(h, prompt) == [False]
+    other = prompt[:-1] + [prompt[-1] + 1]
+    again, twin, twin_cold = h.warm(prompt), h.warm(other), h.cold(other)
+    assert (first.cached, again.cached, twin.cached) == (0, 49, 49)
+    h.assert_same(again, first)
+    h.assert_same(twin, twin_cold)
+
+
+def test_a_tail_serves_only_its_own_prompt_length(chunked):
+    """A longer or shorter prompt over the same tokens resumes at its last cut: the tail's chunk was computed
+    with another number of rows than theirs would be."""
+    h = chunked("tiny-dense")
+    prompt = prompt_of(200)
+    h.warm(prompt)
+    longer, shorter = h.warm(prompt_of(210)), h.warm(prompt_of(190))
+    assert (longer.cached, shorter.cached, h.pc.counters.tail_hits) == (192, 128, 0)
+    h.assert_same(longer, h.cold(prompt_of(210)))
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-gemma4"])
@@ -98,16 +126,20 @@ def test_a_restored_cache_is_laid_out_as_the_cold_cache_at_that_offset(chunked, 
     h = chunked(name)
     prompt = prompt_of(300)
     h.warm(prompt)
-    session = h.session(prompt)
-    restored, n = session.restore()
-    assert n == 256
+    for probe, at in ((prompt_of(310), 256), (prompt, 299)):  # from blocks at the last cut; blocks and the tail
+        assert_laid_out_as_cold(h, probe, at)
+
+
+def assert_laid_out_as_cold(h: Harness, prompt: list[int], at: int) -> None:
+    restored, n = h.session(prompt).restore()
+    assert n == at
     cold = h.pc.new_caches()
     for start in range(0, n, C):
-        h.model(mx.array(prompt[start:start + C])[None], cache=cold)
+        h.model(mx.array(prompt[start:min(start + C, n)])[None], cache=cold)
     mx.eval([c.state for c in cold])
     for spec, r, c in zip(h.pc.layout.layers, restored, cold):
         assert r.offset == c.offset == n
-        if isinstance(spec, FullAttention):  # capacity 256, the first n tokens the same bits
+        if isinstance(spec, FullAttention):  # the cold capacity (256, then 512), the first n tokens the same bits
             assert r.keys.shape == c.keys.shape and r.values.shape == c.values.shape
             assert mx.array_equal(r.keys[..., :n, :], c.keys[..., :n, :]).item()
         elif isinstance(spec, SlidingWindow):  # what the next chunk keeps: the window's last W - 1 tokens

@@ -94,3 +94,59 @@ def test_both_ways_of_batching_copies_capture_and_restore_the_same_bits(harness,
     warm, cold = h.warm(prompt), h.cold(prompt)
     assert warm.cached >= 256
     h.assert_same(warm, cold)
+
+
+def spill_idle(h) -> None:
+    """What a replica's scheduler does while no sequence is in flight, until the backlog is out."""
+    while h.pc.spill_idle():
+        h.pc.tiers.disk.flush(30)
+    assert h.pc.tiers.disk.flush(30)
+
+
+def test_spills_wait_for_the_model_thread_to_be_idle(disk_harness):
+    h = disk_harness("tiny-dense")
+    h.pc.spill_when_idle = True  # as a replica sets it (its scheduler calls spill_idle while idle)
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    disk, held = h.pc.tiers.disk, h.pc.tiers.ram.keys()
+    assert disk.flush(30) and disk.counters["spilled"] == 0 and h.pc.backlog()["blocks"] == len(held) > 0
+    spill_idle(h)
+    assert disk.counters["spilled"] == len(h.store.index) == len(held) and h.pc.backlog()["blocks"] == 0
+    for key in held:
+        assert h.store.path(h.pc.namespace, key).read_bytes() == bytes(h.pc.envelope(key))
+
+
+def test_under_sustained_load_a_spill_waits_no_longer_than_its_delay(disk_harness, monkeypatch):
+    from cluster.kvcache import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "SPILL_DELAY_S", -1.0)  # every block overdue at the next seal
+    h = disk_harness("tiny-dense")
+    h.pc.spill_when_idle = True
+    h.warm(prompt_of(300), max_tokens=2)
+    assert h.pc.tiers.disk.flush(30) and h.pc.tiers.disk.counters["spilled"] == len(h.pc.tiers.ram.keys()) > 0
+    assert h.pc.backlog()["blocks"] == 0
+
+
+def test_the_backlog_holds_only_blocks_ram_holds(disk_harness):
+    """A block the RAM tier lets go spills at once, so the backlog never keeps memory past the tier's budget."""
+    h = disk_harness("tiny-dense")
+    h.pc.tiers.ram.budget = 4 * h.pc.block_bytes  # room for 4 of the prompt's 9 blocks
+    h.pc.spill_when_idle = True
+    h.warm(prompt_of(300), max_tokens=2)
+    disk, ram = h.pc.tiers.disk, h.pc.tiers.ram
+    assert ram.evictions > 0 and disk.flush(30) and disk.counters["spilled"] == ram.evictions
+    assert set(h.pc._backlog) == set(ram.keys())
+    spill_idle(h)
+    assert len(h.store.index) == ram.evictions + len(ram.keys())
+
+
+def test_a_spill_from_a_device_copy_writes_the_same_envelopes(disk_harness):
+    """CUDA's way (the host reads a copy, so the RAM tier's pages stay on the GPU), run here on the CPU."""
+    h = disk_harness("tiny-hybrid")
+    h.pc._stage = True
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    assert h.pc.tiers.disk.flush(30) and len(h.store.index) > 0
+    for key in h.pc.tiers.ram.keys():
+        assert h.store.path(h.pc.namespace, key).read_bytes() == bytes(h.pc.envelope(key))
+    h.assert_same(h.warm(prompt), h.cold(prompt))

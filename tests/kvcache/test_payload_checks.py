@@ -90,9 +90,11 @@ def test_an_unexpected_exception_while_restoring_is_a_miss_and_drops_the_blocks(
     monkeypatch.setattr(prefix_cache, "restore_entry", real)
     cold = h.cold(prompt)
     assert warm.cached == 0 and h.pc.counters.corrupt["unexpected"] == 1
-    assert h.pc.tiers.ram.stats()["discarded"] == discarded + 6  # every block of the plan, never served again
+    # Every block of the plan (6, to 192) and the prompt's tail (the canonical schedule, the CPU's for sliding
+    # windows, keeps it): never served again.
+    assert h.pc.schedule.canonical and h.pc.tiers.ram.stats()["discarded"] == discarded + 7
     h.assert_same(warm, cold)
-    assert h.warm(prompt).cached == 192  # recomputed and stored again
+    assert h.warm(prompt).cached == 199  # recomputed and stored again
 
 
 def test_an_unexpected_exception_while_decoding_is_a_miss(disk_harness, monkeypatch):

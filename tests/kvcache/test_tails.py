@@ -1,0 +1,32 @@
+"""A prompt's tail (kvcache/tails.py) is a RAM-only entry: never spilled, never announced, and gone means the
+same prompt resumes at its last cut again. Its exactness is pinned with the canonical schedule's tests
+(test_canonical_schedule.py), for every family."""
+
+from cluster.store.hashing import chain_ids, tail_key
+from tests.kvcache.conftest import forget_ram, prompt_of
+
+B, C = 32, 64
+
+
+def test_a_tail_stays_in_ram_and_is_never_announced(disk_harness):
+    events: list = []
+    h = disk_harness("tiny-dense", events=events, resume_at="chunk")
+    prompt = prompt_of(200)  # chunks [0, 64), [64, 128), [128, 192), then the tail [192, 199)
+    h.warm(prompt)
+    ids = chain_ids(h.pc.namespace, prompt, B)
+    key = tail_key(ids[192 // B - 1], prompt[192:199])
+    assert h.pc.tiers.ram.present([key]) == [True] and h.pc.counters.tails_stored == 1
+    assert h.pc.tiers.disk.flush(30) and len(h.store.index) == 192 // B  # the blocks, not the tail
+    assert key not in {e.key for e in events} and key not in {k for k, *_ in h.pc.tiers.ram_holdings()}
+    assert h.warm(prompt).cached == 199
+
+
+def test_without_its_tail_the_same_prompt_resumes_at_its_last_cut(disk_harness):
+    h = disk_harness("tiny-dense", resume_at="chunk")
+    prompt = prompt_of(200)
+    h.warm(prompt)
+    forget_ram(h)  # a restart, or the LRU: the disk holds the blocks, nothing holds the tail
+    again = h.warm(prompt)
+    assert again.cached == 192 and h.pc.counters.tail_hits == 0
+    h.assert_same(again, h.cold(prompt))
+    assert h.warm(prompt).cached == 199  # the run from the disk kept the tail again
