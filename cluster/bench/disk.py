@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -48,6 +49,22 @@ def drop_cache(paths: list[Path]) -> bool:
         finally:
             os.close(fd)
     return True
+
+
+def read_bandwidth(paths: list[Path], threads: int = 4) -> float | None:
+    """Bytes/s of reading these files with `threads` readers (as a restore reads), page cache dropped first;
+    None where it cannot be dropped (the figure would be memory's)."""
+    if not paths or not drop_cache(paths):
+        return None
+
+    def read(path: Path) -> int:
+        with open(path, "rb", buffering=0) as f:
+            return sum(len(chunk) for chunk in iter(lambda: f.read(8 << 20), b""))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, paths))
+    return total / (time.perf_counter() - t0)
 
 
 def dd(args: list[str]) -> float:
