@@ -26,6 +26,8 @@ def render(status: dict) -> str:
                      f"backend={r.get('backend') or '-'} (since it started {_age(r)} ago)")
         lines.append("      " + _batch_line(r))
         lines.append("      " + _cache_line(r.get("cache", {})))
+        if (r.get("cache") or {}).get("enabled"):
+            lines.append("      " + _hot_path_line(r["cache"]))
     fleet = status.get("fleet") or {}
     if fleet:
         reuse = f"{fleet['reuse']:.0%}" if fleet.get("reuse") is not None else "-"
@@ -86,6 +88,18 @@ def _cache_line(cache: dict) -> str:
             f"{ram['bytes'] / 2**20:.1f}/{ram['budget'] / 2**20:.0f} MiB, served {ram['hits']} blocks, {ram['misses']} "
             f"not in RAM, evictions {ram['evictions']}, stored {cache['blocks_stored']} blocks "
             f"{cache['checkpoints_stored']} checkpoints, corrupt {bad or 0}{spill_text}")
+
+
+def _hot_path_line(cache: dict) -> str:
+    """What the RAM tier holds, the prompt tails, the restore-or-recompute choices and the spill backlog."""
+    costs = cache.get("costs") or {}
+    choices = costs.get("choices") or {}
+    backlog = cache.get("spill_backlog")
+    return (f"ram holds {cache['ram'].get('holds', '-')}, tails stored {cache.get('tails_stored', 0)} "
+            f"hit {cache.get('tail_hits', 0)}, chose restore {choices.get('restore', 0)} recompute "
+            f"{choices.get('recompute', 0)} (prefill {costs.get('prefill_tps', 0)} tok/s, ram "
+            f"{costs.get('ram_gbps', 0)} GB/s, disk {costs.get('disk_gbps', 0)} GB/s)"
+            + (f", spill backlog {backlog['blocks']} blocks {backlog['bytes'] / 2**20:.1f} MiB" if backlog else ""))
 
 
 def _disk_line(disk) -> str:
