@@ -77,7 +77,10 @@ class Harness:
         """Where a `prompt_len`-token prompt resumes after an earlier sequence that shares all of it held its
         own `first_len`-token prompt and `fed` tokens in all: the Planner's rule on the kept blocks (models
         without recurrent layers)."""
-        return self.pc.planner.best(prompt_len, self.kept_after(first_len, fed) // self.B, set())
+        kept = self.kept_after(first_len, fed)
+        if self.pc.tails and prompt_len == first_len and kept >= self.pc.kept_tokens(prompt_len):
+            return prompt_len - 1  # the very same prompt: its blocks and its tail (kvcache/tails.py)
+        return self.pc.planner.best(prompt_len, kept // self.B, set())
 
     def run_with(self, prompt, session, max_tokens=12) -> Run:
         return self._run(prompt, max_tokens, session)
@@ -114,6 +117,11 @@ def plant(h: Harness, key: bytes, data) -> None:
     h.pc.tiers.ram.discard(key)
     h.store.path(h.pc.namespace, key).write_bytes(bytes(data))
     h.store.index.get(key).size = len(data)
+
+
+def ram_blocks(h: Harness) -> list[bytes]:
+    """Keys of the blocks and checkpoints RAM holds: what spills (a prompt's tail never does)."""
+    return [k for k, held in h.pc.tiers.ram.snapshot() if getattr(held, "kind", None) != "tail"]
 
 
 def forget_ram(h: Harness) -> None:
