@@ -329,23 +329,26 @@ class PrefixCache:
 
     def store_tail(self, prompt: list[int], ids: list[bytes], caches: list) -> None:
         """Keep the prompt's tail (tails.py) once every prompt token but the last is in `caches`."""
-        start, end = self.kept_tokens(len(prompt)), len(prompt) - 1
-        if not self.tails or end <= start:
+        where = self._tail_of(prompt, ids)
+        if where is None or self.tiers.ram.present([where[0]])[0]:
             return
-        parent = ids[start // self.B - 1] if start else self.namespace
-        key = tail_key(parent, prompt[start:end])
-        if self.tiers.ram.present([key])[0]:
-            return
-        self._keep(key, capture_tail(self.layout, caches, key, parent, start, prompt[start:end]))
+        key, parent, start = where
+        self._keep(key, capture_tail(self.layout, caches, key, parent, start, prompt[start:len(prompt) - 1]))
         self.counters.tails_stored += 1
 
     def tail_for(self, prompt: list[int], ids: list[bytes]) -> Optional[Tail]:
         """The prompt's tail, if RAM holds it (admission threads: a reference, no MLX)."""
+        where = self._tail_of(prompt, ids)
+        held = self.tiers.ram.get(where[0]) if where is not None else None
+        return held if isinstance(held, Tail) else None
+
+    def _tail_of(self, prompt: list[int], ids: list[bytes]) -> Optional[tuple[bytes, bytes, int]]:
+        """(key, parent block id, start) of the prompt's tail; None where this cache keeps none for it."""
         start, end = self.kept_tokens(len(prompt)), len(prompt) - 1
         if not self.tails or end <= start:
             return None
-        held = self.tiers.ram.get(tail_key(ids[start // self.B - 1] if start else self.namespace, prompt[start:end]))
-        return held if isinstance(held, Tail) else None
+        parent = ids[start // self.B - 1] if start else self.namespace
+        return tail_key(parent, prompt[start:end]), parent, start
 
     def _keep(self, key: bytes, block: DeviceBlock) -> None:
         """Into the device RAM tier; evaluated by the next seal()."""
@@ -363,8 +366,11 @@ class PrefixCache:
             if disk is not None:
                 self._spill([(k, b) for k, b in blocks if b.kind != "tail" and not disk.holds(k)])
         if self._backlog:  # never idle for long (sustained load): what waited too long goes now
-            due = time.monotonic() - SPILL_DELAY_S
-            self._write_out([(k, self._backlog.pop(k)[0]) for k, (_, t) in list(self._backlog.items()) if t < due])
+            due, overdue = time.monotonic() - SPILL_DELAY_S, []
+            while self._backlog and next(iter(self._backlog.values()))[1] < due:  # oldest first: stop at the first in time
+                key, (block, _) = self._backlog.popitem(last=False)
+                overdue.append((key, block))
+            self._write_out(overdue)
 
     def spill_idle(self) -> bool:
         """Model thread, no sequence in flight: hand the disk the backlog's next batch once it has taken
@@ -389,7 +395,7 @@ class PrefixCache:
             return
         now = time.monotonic()
         for key, block in items:
-            self._backlog[key] = (block, now)
+            self._backlog.setdefault(key, (block, now))  # kept in order of arrival: oldest first
 
     def _evicted(self, key: bytes, block: DeviceBlock) -> None:
         """The RAM tier let a block go that the disk lacks: it spills now (the backlog holds only blocks RAM
