@@ -1,9 +1,11 @@
 """Time to first token: a fully cached prompt against the same prompt cold, in one run.
 
     mlx-fleet bench ttft [--models bench-qwen3-0.6b] [--tokens 2048 ...] [--block-tokens 64]
-                         [--resume-at auto|chunk|block ...] [--vs-mlx-lm-server] [--json out.json]
+                         [--resume-at auto|chunk|block ...] [--repeat 3] [--vs-mlx-lm-server]
+                         [--json out.json]
 
-Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy):
+Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy), each figure the median of
+`--repeat` runs:
 - cold:     no cache at all (what a cache miss costs);
 - capture:  cold, while storing every block (the overhead of filling the cache);
 - spill:    then, as a replica does while idle, its blocks written to the disk (a
@@ -36,6 +38,7 @@ preload an optimized BLAS for this benchmark:
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -91,44 +94,67 @@ def warm(pc, prompt):
     return lambda: BlockSession(pc, prompt, Admission(pc).fetch(prompt))
 
 
-def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=None, resume_at: str = "auto") -> dict:
-    """One row; `loaded` is load(name, data_dir) if the caller has it already."""
+def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=None, resume_at: str = "auto",
+            repeat: int = 3) -> dict:
+    """One row; `loaded` is load(name, data_dir) if the caller has it already.
+
+    Each figure is the median of `repeat` runs (the lists are in the row too): a GPU's first run of a
+    shape compiles kernels and its allocator's first use of a size maps fresh pages, which a serving
+    replica pays once, not per request. The cold run is warmed first; each capture fills a replica of its
+    own, fresh; each disk hit reads into a fresh replica with the page cache dropped."""
     model, tok, path = loaded or load(name, data_dir)
     work = Path(tempfile.mkdtemp(prefix="bench-ttft-", dir=data_dir))
     store = DiskStore(work / "node", budget=1 << 40)
     config = CacheConfig(block_tokens=block_tokens, ram_bytes=16 << 30, resume_at=resume_at)
-    try:
-        pc = setup_cache(model, tok, path, config, work, store_link=LocalLink(store), prefill_step=PREFILL_STEP).cache
+
+    def replica(**kw):
+        pc = setup_cache(model, tok, path, config, work, store_link=LocalLink(store), prefill_step=PREFILL_STEP,
+                         **kw).cache
         pc.spill_when_idle = pc.device  # as in a replica: a device tier spills while the model thread is idle
+        return pc
+
+    try:
+        pc = replica()
         schedule = pc.schedule
         prompt = prompt_tokens(tokens)
         # Warm up: a GPU compiles kernels per shape, so there the whole prompt once (its chunks' attention
         # shapes); on the CPU a short one is enough.
         first_token(model, tok, prompt if on_gpu() else prompt[:64], ColdSession(model, pc.new_caches, schedule))
         logits: list = []
-        cold, _, t_cold = first_token(model, tok, prompt, ColdSession(model, pc.new_caches, schedule), logits)
-        capture, _, t_capture = first_token(model, tok, prompt, warm(pc, prompt))
+        colds = [first_token(model, tok, prompt, ColdSession(model, pc.new_caches, schedule), logits)
+                 for _ in range(repeat)]
+        captures = []
+        for i in range(repeat):  # the last replica stays: its RAM tier serves the RAM hits, its disk the disk hits
+            pc = replica(schedule=schedule) if i else pc
+            captures.append(first_token(model, tok, prompt, warm(pc, prompt)))
         t0 = time.perf_counter()
         while pc.spill_idle():
             time.sleep(0.001)
         pc.tiers.disk.flush(600)
         spill = time.perf_counter() - t0
-        ram, n, t_ram = first_token(model, tok, prompt, warm(pc, prompt), logits)
-        fresh = setup_cache(model, tok, path, config, work, store_link=LocalLink(store),
-                            schedule=schedule).cache  # empty RAM
+        rams = [first_token(model, tok, prompt, warm(pc, prompt), logits if not i else None) for i in range(repeat)]
         files = [store.path(k.ns, k.key) for k in store.index.entries.values()]
         read_bps = read_bandwidth(files)
-        cold_cache = drop_cache(files)
-        disk, n_disk, t_disk = first_token(model, tok, prompt, warm(fresh, prompt), logits)
-        same = t_cold == t_capture == t_ram == t_disk
+        disks, cold_cache = [], False
+        for i in range(repeat):
+            fresh = replica(schedule=schedule)  # empty RAM
+            cold_cache = drop_cache(files)
+            disks.append(first_token(model, tok, prompt, warm(fresh, prompt), logits if not i else None))
+        cold, capture, ram, disk = (statistics.median([r[0] for r in runs]) for runs in (colds, captures, rams, disks))
+        n, n_disk = rams[0][1], disks[0][1]
+        same = (len({r[2] for r in colds + captures + rams + disks}) == 1
+                and {r[1] for r in rams} == {n} and {r[1] for r in disks} == {n_disk})
         if not same:
-            print(f"  {name} at {tokens}: the first token or cached length differs: cold {t_cold}, capture "
-                  f"{t_capture}, ram {t_ram} ({n} cached), disk {t_disk} ({n_disk} cached)", flush=True)
+            print(f"  {name} at {tokens}: the first token or cached length differs: cold {colds}, capture "
+                  f"{captures}, ram {rams}, disk {disks}", flush=True)
         return {"model": name, "tokens": tokens, "block_tokens": block_tokens, "resume_at": schedule.mode,
-                "chunk_tokens": schedule.chunk_tokens, "cached_tokens": n,
+                "chunk_tokens": schedule.chunk_tokens, "repeat": repeat, "cached_tokens": n,
                 "disk_cached_tokens": n_disk, "same_first_token": same,
-                "ram_logit_diff": logit_diff(logits[1], logits[0]), "disk_logit_diff": logit_diff(logits[2], logits[0]),
+                "ram_logit_diff": logit_diff(logits[repeat], logits[0]),
+                "disk_logit_diff": logit_diff(logits[repeat + 1], logits[0]),
                 "cold_s": cold, "capture_s": capture, "spill_s": spill, "ram_s": ram, "disk_s": disk,
+                "runs_s": {"cold": [r[0] for r in colds], "capture": [r[0] for r in captures],
+                           "ram": [r[0] for r in rams], "disk": [r[0] for r in disks]},
                 "disk_read_gbps": read_bps / 1e9 if read_bps else None,
                 "disk_limit_s": (1.25 * store.index.bytes / read_bps + cold * (tokens - n_disk) / tokens
                                  if read_bps else None),
@@ -163,6 +189,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
     p.add_argument("--resume-at", nargs="+", default=["auto"], choices=["auto", "chunk", "block"],
                    help="prefill schedules to measure (several: one row each)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each figure (cold, capture, RAM hit, disk hit); the row has their median")
     p.add_argument("--vs-mlx-lm-server", action="store_true",
                    help="also time mlx_lm.server's prompt cache on the same model and prompt lengths (over HTTP)")
     a = p.parse_args(argv)
@@ -174,7 +202,7 @@ def main(argv: list[str]) -> int:
         loaded = load(name, a.data_dir)
         for tokens in a.tokens:
             for resume_at in a.resume_at:
-                r = measure(name, a.data_dir, tokens, a.block_tokens, loaded, resume_at)
+                r = measure(name, a.data_dir, tokens, a.block_tokens, loaded, resume_at, a.repeat)
                 rows.append(r)
                 print(f"{r['model']:<20}{r['tokens']:>7}{r['resume_at']:>6}{r['cached_tokens']:>8}{r['disk_cached_tokens']:>6}{r['cold_s']:>9.3f}"
                       f"{r['capture_s']:>11.3f}{r['ram_s']:>8.3f}{r['disk_s']:>8.3f}{r['ram_vs_cold']:>10.4f}"

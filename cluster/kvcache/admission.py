@@ -115,6 +115,8 @@ class Admission:
                 break  # recomputing is predicted faster (costs.py): cold
             bad = self._fetch([r for r in reads if r[2] not in blocks], ids, blocks, sources)
             if not bad:
+                if tail is not None:
+                    pc.tiers.ram.get(tail.id)  # a use: counted, and fresh in the LRU order
                 fetched = max(0, n - own * pc.B) if pulled_from else 0
                 return Prefetch(ids=ids, n=n, blocks={k: blocks[k] for _, _, k in reads},
                                 from_ram=sources["ram"], from_disk=sources["disk"], fetched=fetched,

@@ -337,9 +337,10 @@ class PrefixCache:
         self.counters.tails_stored += 1
 
     def tail_for(self, prompt: list[int], ids: list[bytes]) -> Optional[Tail]:
-        """The prompt's tail, if RAM holds it (admission threads: a reference, no MLX)."""
+        """The prompt's tail, if RAM holds it (admission threads: a reference, no MLX). Not counted as a use:
+        the plan may not take it (Admission counts the one it takes)."""
         where = self._tail_of(prompt, ids)
-        held = self.tiers.ram.get(where[0]) if where is not None else None
+        held = self.tiers.ram.peek(where[0]) if where is not None else None
         return held if isinstance(held, Tail) else None
 
     def _tail_of(self, prompt: list[int], ids: list[bytes]) -> Optional[tuple[bytes, bytes, int]]:

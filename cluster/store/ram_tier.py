@@ -100,6 +100,12 @@ class RamTier:
     def get(self, key: bytes) -> Optional[object]:
         return self.get_many([key])[0]
 
+    def peek(self, key: bytes) -> Optional[object]:
+        """The block if held, without counting a hit or a miss and without refreshing its place in the LRU
+        order: for a lookup whose answer may go unused."""
+        with self._lock:
+            return self._blocks.get(key)
+
     def keys(self) -> list[bytes]:
         """Keys from least to most recently used."""
         with self._lock:

@@ -30,3 +30,16 @@ def test_without_its_tail_the_same_prompt_resumes_at_its_last_cut(disk_harness):
     assert again.cached == 192 and h.pc.counters.tail_hits == 0
     h.assert_same(again, h.cold(prompt))
     assert h.warm(prompt).cached == 199  # the run from the disk kept the tail again
+
+
+def test_the_ram_tier_counts_a_tail_only_when_a_restore_takes_it(harness):
+    h = harness("tiny-dense", resume_at="chunk")
+    prompt = prompt_of(200)
+    h.warm(prompt)  # cold: nothing held; looking for its tail is no miss
+    ram = h.pc.tiers.ram
+    assert (ram.hits, ram.misses) == (0, 0)
+    assert h.warm(prompt).cached == 199  # the 6 blocks before the tail, and the tail
+    assert (ram.hits, ram.misses) == (192 // B + 1, 0) and h.pc.counters.tail_hits == 1
+    shorter = prompt[:199]  # another length: its tail key is another, and the one held goes unused
+    assert h.warm(shorter).cached == 192
+    assert (ram.hits, ram.misses) == (2 * (192 // B) + 1, 0) and h.pc.counters.tail_hits == 1
