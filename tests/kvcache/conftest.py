@@ -73,12 +73,12 @@ class Harness:
         reply) whose blocks are kept for a later hit."""
         return min(fed, self.pc.kept_tokens(first_prompt_len))
 
-    def hit_after(self, prompt_len: int, first_len: int, fed: int) -> int:
+    def hit_after(self, prompt_len: int, first_len: int, fed: int, tail: bool = True) -> int:
         """Where a `prompt_len`-token prompt resumes after an earlier sequence that shares all of it held its
         own `first_len`-token prompt and `fed` tokens in all: the Planner's rule on the kept blocks (models
-        without recurrent layers)."""
+        without recurrent layers). `tail`: whether RAM still holds that prompt's tail (not after a restart)."""
         kept = self.kept_after(first_len, fed)
-        if self.pc.tails and prompt_len == first_len and kept >= self.pc.kept_tokens(prompt_len):
+        if tail and self.pc.tails and prompt_len == first_len and kept >= self.pc.kept_tokens(prompt_len):
             return prompt_len - 1  # the very same prompt: its blocks and its tail (kvcache/tails.py)
         return self.pc.planner.best(prompt_len, kept // self.B, set())
 

@@ -124,6 +124,7 @@ def test_foreign_block_under_our_id_is_refused(disk_harness, harness):
 
 def test_damaged_checkpoint_falls_back_to_an_earlier_one(disk_harness):
     h = disk_harness("tiny-hybrid", block_tokens=B)
+    h.pc.tails = False  # the same prompt restores from its checkpoints, not from its tail (tails.py)
     prompt = prompt_of(300)
     h.warm(prompt, max_tokens=2)
     ids = chain_ids(h.pc.namespace, prompt, B)

@@ -151,6 +151,7 @@ def cut_rows(arrays):
 ])
 def test_a_sliding_tail_or_a_recurrent_state_of_the_wrong_shape_is_refused(disk_harness, model, kind, layer_kind, cut):
     h = disk_harness(model, block_tokens=B)
+    h.pc.tails = False  # the same prompt restores from its blocks and checkpoints, not from its tail (tails.py)
     prompt = prompt_of(150)
     h.warm(prompt, max_tokens=2)
     full = h.warm(prompt, max_tokens=2).cached
