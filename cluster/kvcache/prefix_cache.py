@@ -367,11 +367,7 @@ class PrefixCache:
             if disk is not None:
                 self._spill([(k, b) for k, b in blocks if b.kind != "tail" and not disk.holds(k)])
         if self._backlog:  # never idle for long (sustained load): what waited too long goes now
-            due, overdue = time.monotonic() - SPILL_DELAY_S, []
-            while self._backlog and next(iter(self._backlog.values()))[1] < due:  # oldest first: stop at the first in time
-                key, (block, _) = self._backlog.popitem(last=False)
-                overdue.append((key, block))
-            self._write_out(overdue)
+            self._write_out(self._take(due=time.monotonic() - SPILL_DELAY_S))
 
     def spill_idle(self) -> bool:
         """Model thread, no sequence in flight: hand the disk the backlog's next batch once it has taken
@@ -380,13 +376,24 @@ class PrefixCache:
         if disk is None or not self._backlog:
             return False
         if disk.backlog_bytes() < BATCH_BYTES:
-            batch, size = [], 0
-            while self._backlog and size < BATCH_BYTES:
-                key, (block, _) = self._backlog.popitem(last=False)
-                batch.append((key, block))
-                size += block.nbytes
-            self._write_out(batch)
+            self._write_out(self._take(limit=BATCH_BYTES))
         return bool(self._backlog)
+
+    def _take(self, due: float = math.inf, limit: int = 1 << 62) -> list[tuple[bytes, DeviceBlock]]:
+        """The backlog's oldest blocks, up to the first that arrived after `due`, `limit` bytes in all, and
+        what the disk's queue has room for: past it the queue drops its oldest spill, and a dropped block
+        breaks its prompt's chain on the disk. What is not taken waits for the next call."""
+        disk, out = self.tiers.disk, []
+        queued = disk.backlog_bytes()
+        room = min(limit, disk.queue_bytes - queued)
+        while self._backlog:
+            block, since = next(iter(self._backlog.values()))
+            if since >= due or (block.nbytes > room and (out or queued)):  # one block always goes to an idle queue
+                break
+            key, _ = self._backlog.popitem(last=False)
+            out.append((key, block))
+            room -= block.nbytes
+        return out
 
     def _spill(self, items: list[tuple[bytes, DeviceBlock]]) -> None:
         if self.tiers.disk is None or not items:

@@ -130,6 +130,23 @@ def test_under_sustained_load_a_spill_waits_no_longer_than_its_delay(disk_harnes
     assert h.pc.backlog()["blocks"] == 0
 
 
+def test_overdue_spills_wait_for_room_in_the_disk_queue_rather_than_drop_blocks(disk_harness, monkeypatch):
+    """Sustained load with a disk slower than capture (a 32k prompt on the H200 dropped 4 of 444): overdue
+    blocks go only as far as the queue has room, so none is dropped; the rest wait in the backlog."""
+    from cluster.kvcache import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "SPILL_DELAY_S", -1.0)
+    h = disk_harness("tiny-dense")
+    h.pc.spill_when_idle = True
+    disk = h.pc.tiers.disk
+    disk.queue_bytes = h.pc.block_bytes  # room for one block at a time; each forward completes two
+    h.warm(prompt_of(300), max_tokens=2)
+    assert disk.flush(30) and disk.counters["dropped_spills"] == 0
+    assert disk.counters["spilled"] + h.pc.backlog()["blocks"] == len(ram_blocks(h))
+    spill_idle(h)
+    assert disk.counters["dropped_spills"] == 0 and len(h.store.index) == len(ram_blocks(h))
+
+
 def test_the_backlog_holds_only_blocks_ram_holds(disk_harness):
     """A block the RAM tier lets go spills at once, so the backlog never keeps memory past the tier's budget."""
     h = disk_harness("tiny-dense")
