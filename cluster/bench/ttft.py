@@ -13,7 +13,10 @@ Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy), each figure 
 - ram:      the same prompt again, restored from the RAM tier: all but the last
             token, from the blocks and the prompt's tail (kvcache/tails.py);
 - disk:     the same prompt in a fresh replica (empty RAM tier) over the same disk
-            tier, with the block files dropped from the page cache first (Linux).
+            tier, with the block files dropped from the page cache first (Linux). The
+            replica's measured speeds carry over (its RAM let the blocks go; it did not
+            restart), so where recomputing is predicted faster it recomputes (costs.py):
+            the first run measures the disk, `choices` counts what was chosen.
             `disk_limit_s` is 1.25 x the blocks' bytes / the disk's read bandwidth
             measured on those files (4 readers, page cache dropped), plus the prefill
             left after the restore at the cold run's speed (it ends with the forward
@@ -136,25 +139,30 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
         files = [store.path(k.ns, k.key) for k in store.index.entries.values()]
         read_bps = read_bandwidth(files)
         disks, cold_cache = [], False
+        costs = pc.costs  # the replica's measured speeds carry over: its RAM let the blocks go, it did not restart
+        costs.prefill_tps = lambda: tokens / statistics.median([r[0] for r in colds])
         for i in range(repeat):
             fresh = replica(schedule=schedule)  # empty RAM
+            fresh.costs = costs
             cold_cache = drop_cache(files)
             disks.append(first_token(model, tok, prompt, warm(fresh, prompt), logits if not i else None))
         cold, capture, ram, disk = (statistics.median([r[0] for r in runs]) for runs in (colds, captures, rams, disks))
-        n, n_disk = rams[0][1], disks[0][1]
+        n, n_disk = rams[0][1], statistics.median([r[1] for r in disks])
         same = (len({r[2] for r in colds + captures + rams + disks}) == 1
-                and {r[1] for r in rams} == {n} and {r[1] for r in disks} == {n_disk})
+                and {r[1] for r in rams} == {n})
         if not same:
             print(f"  {name} at {tokens}: the first token or cached length differs: cold {colds}, capture "
                   f"{captures}, ram {rams}, disk {disks}", flush=True)
         return {"model": name, "tokens": tokens, "block_tokens": block_tokens, "resume_at": schedule.mode,
                 "chunk_tokens": schedule.chunk_tokens, "repeat": repeat, "cached_tokens": n,
-                "disk_cached_tokens": n_disk, "same_first_token": same,
+                "disk_cached_tokens": n_disk, "same_first_token": same, "choices": dict(costs.choices),
+                "costs": costs.stats(),
                 "ram_logit_diff": logit_diff(logits[repeat], logits[0]),
                 "disk_logit_diff": logit_diff(logits[repeat + 1], logits[0]),
                 "cold_s": cold, "capture_s": capture, "spill_s": spill, "ram_s": ram, "disk_s": disk,
                 "runs_s": {"cold": [r[0] for r in colds], "capture": [r[0] for r in captures],
                            "ram": [r[0] for r in rams], "disk": [r[0] for r in disks]},
+                "disk_cached_runs": [r[1] for r in disks],
                 "disk_read_gbps": read_bps / 1e9 if read_bps else None,
                 "disk_limit_s": (1.25 * store.index.bytes / read_bps + cold * (tokens - n_disk) / tokens
                                  if read_bps else None),

@@ -10,7 +10,10 @@ a hit is taken only when it is predicted to make the first token sooner.
 The speeds are moving averages of what this replica measured itself:
 - prefill tokens/s: the scheduler's (`prefill_tps`, set by the replica);
 - RAM: bytes/s of restores built from device blocks alone (PrefixCache);
-- disk: bytes/s of the admission stage's disk reads, checks included.
+- disk: bytes/s of the admission stage's disk reads, checks included;
+- move: bytes/s of moving blocks read in (disk, peer) to the device (PrefixCache). On a
+  Mac this is a copy within unified memory; on CUDA it migrates managed pages, about
+  1.4 GB/s on the H200, as slow as the disk itself. Until measured, the RAM speed stands in.
 A speed not measured yet predicts nothing: the hit is taken (it is the likelier
 win, and taking it measures the speed). Both sides of the comparison share the
 prompt's last forward, so it is left out of both.
@@ -31,11 +34,12 @@ class Costs:
     prefill_tps: Callable[[], float] = lambda: 0.0
     ram_bps: float = 0.0
     disk_bps: float = 0.0
+    move_bps: float = 0.0
     choices: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, tier: str, nbytes: int, seconds: float) -> None:
-        """A measured restore from `tier` ("ram" or "disk") of `nbytes` in `seconds`."""
+        """A measured restore from `tier` ("ram", "disk" or "move") of `nbytes` in `seconds`."""
         if nbytes < MIN_BYTES or seconds <= 0:
             return
         bps = nbytes / seconds
@@ -45,12 +49,12 @@ class Costs:
 
     def predict(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> tuple[float, float] | None:
         """(seconds to restore n tokens and prefill the rest, seconds to prefill it all), or None when a
-        speed it needs is not measured yet. Disk bytes also pay the copy to the device (the RAM speed)."""
+        speed it needs is not measured yet. Disk bytes also pay their move to the device."""
         tps = self.prefill_tps()
         if tps <= 0 or (ram_bytes or disk_bytes) and not self.ram_bps or disk_bytes and not self.disk_bps:
             return None
-        moved = (ram_bytes + disk_bytes) / self.ram_bps if self.ram_bps else 0.0
-        read = disk_bytes / self.disk_bps if disk_bytes else 0.0
+        moved = ram_bytes / self.ram_bps if ram_bytes else 0.0
+        read = disk_bytes / self.disk_bps + disk_bytes / (self.move_bps or self.ram_bps) if disk_bytes else 0.0
         return moved + read + (prompt_len - n) / tps, prompt_len / tps
 
     def restore_pays(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> bool:
@@ -63,4 +67,5 @@ class Costs:
 
     def stats(self) -> dict:
         return {"prefill_tps": round(self.prefill_tps(), 1), "ram_gbps": round(self.ram_bps / 1e9, 3),
-                "disk_gbps": round(self.disk_bps / 1e9, 3), "choices": dict(self.choices)}
+                "disk_gbps": round(self.disk_bps / 1e9, 3), "move_gbps": round(self.move_bps / 1e9, 3),
+                "choices": dict(self.choices)}

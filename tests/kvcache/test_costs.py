@@ -23,6 +23,16 @@ def test_a_slow_disk_loses_to_a_fast_prefill():
     assert c.choices == {"restore": 1, "recompute": 1}
 
 
+def test_bytes_read_in_pay_their_move_to_the_device_at_its_measured_speed():
+    c = costs(tps=25_000.0, ram=250e9, disk=1.5e9)  # the H200's 8B: 8k tokens are 1.2 GB of KV
+    restore, cold = c.predict(8192, 7680, 0, int(1.2e9))
+    assert restore == 1.2e9 / 1.5e9 + 1.2e9 / 250e9 + 512 / 25_000  # until measured, the RAM speed stands in
+    c.observe("move", int(1.2e9), 0.87)  # CUDA migrates managed pages: as slow as the disk
+    restore, _ = c.predict(8192, 7680, 0, int(1.2e9))
+    assert restore == 1.2e9 / 1.5e9 + 1.2e9 / (1.2e9 / 0.87) + 512 / 25_000 and restore > cold
+    assert c.stats()["move_gbps"] == round(1.2e9 / 0.87 / 1e9, 3)
+
+
 def test_nothing_measured_yet_takes_the_hit():
     for c in (Costs(), costs(ram=0.0), costs(disk=0.0)):
         assert c.predict(2048, 2048, 1, 1) is None and c.restore_pays(2048, 2048, 1, 1)

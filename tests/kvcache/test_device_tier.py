@@ -130,6 +130,18 @@ def test_under_sustained_load_a_spill_waits_no_longer_than_its_delay(disk_harnes
     assert h.pc.backlog()["blocks"] == 0
 
 
+def test_a_restore_of_blocks_read_in_measures_their_move_to_the_device(disk_harness):
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    h.warm(prompt, max_tokens=2)  # from RAM: device blocks, nothing moved
+    costs = h.pc.costs
+    assert costs.ram_bps > 0 and costs.move_bps == 0.0
+    forget_ram(h)
+    assert h.warm(prompt, max_tokens=2).cached > 0  # read from the disk, moved to the device
+    assert costs.move_bps > 0 and costs.disk_bps > 0
+
+
 def test_overdue_spills_wait_for_room_in_the_disk_queue_rather_than_drop_blocks(disk_harness, monkeypatch):
     """Sustained load with a disk slower than capture (a 32k prompt on the H200 dropped 4 of 444): overdue
     blocks go only as far as the queue has room, so none is dropped; the rest wait in the backlog."""
