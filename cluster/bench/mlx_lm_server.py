@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -48,8 +49,11 @@ class MlxLmServer:
         body = json.dumps({"prompt": text, "max_tokens": 1, "temperature": 0.0}).encode()
         request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
         t0 = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=600) as r:
-            reply = json.loads(r.read())
+        try:
+            with urllib.request.urlopen(request, timeout=600) as r:
+                reply = json.loads(r.read())
+        except urllib.error.HTTPError as e:  # it answers a failed generation with 404 and the error as the body
+            raise RuntimeError(f"mlx_lm.server answered {e.code}: {e.read()[:2000].decode(errors='replace')}") from e
         return time.perf_counter() - t0, int(reply.get("usage", {}).get("prompt_tokens", 0))
 
     def measure(self, warmup: str, text: str) -> dict:

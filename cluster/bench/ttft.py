@@ -218,7 +218,13 @@ def main(argv: list[str]) -> int:
                       f"{r['capture_overhead']:>12.1%}{r['spill_s']:>9.3f}{r['ram_logit_diff']:>10.2g}"
                       f"{r['disk_logit_diff']:>11.2g}", flush=True)
         if a.vs_mlx_lm_server:
-            vs_server(name, loaded, [r for r in rows if r["model"] == name])
+            try:
+                vs_server(name, loaded, [r for r in rows if r["model"] == name])
+            except Exception as e:  # the peer failing must not lose our rows
+                print(f"  mlx_lm.server on {name} failed: {e}", flush=True)
+                for r in rows:
+                    if r["model"] == name:
+                        r.setdefault("server_error", str(e))
         del loaded
     print(f"(disk reads with the page cache {rows[-1]['page_cache']}; goals: ram/cold <= 0.05, disk/limit <= 1, "
           "capture overhead <= 10%)")
