@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
@@ -247,8 +247,8 @@ class PrefixCache:
             key = state_key(prefetch.ids[n // self.B - 1])
             state = self._on_device(key, prefetch.blocks[key], "state")
         # One concatenation per mergeable run, over all m blocks: [members, 1, H, m * B, D].
-        merged = [None if not (ok and self.few_launches and m) else blocks[0].runs[r] if m == 1 else
-                  mx.concatenate([b.runs[r] for b in blocks], axis=3) for r, ok in enumerate(self._merge)]
+        merged = [_merge_run(blocks, r) if ok and self.few_launches and m else None
+                  for r, ok in enumerate(self._merge)]
         capacity = self.schedule.capacity(n, prompt_len)
         caches = []
         for e, spec in enumerate(self.layout.layers):
@@ -259,7 +259,7 @@ class PrefixCache:
             elif isinstance(spec, SlidingWindow) and tail is not None:  # the tail holds the whole window
                 caches.append(restore_entry(spec, rest, n, n, capacity))
             elif m and all(merged[r] is not None for r, _ in self._where["kv"][e]):
-                whole = [mx.squeeze(merged[r][i:i + 1], 0) for r, i in self._where["kv"][e]]
+                whole = [merged[r](i) for r, i in self._where["kv"][e]]
                 caches.append(restore_entry(spec, [whole] + rest, n, self.B, capacity))  # m blocks as one part
             else:
                 first = max(0, (n - spec.window) // self.B - 1) if isinstance(spec, SlidingWindow) else 0
@@ -486,6 +486,22 @@ class PrefixCache:
         if self.codec_quality is not None:
             out["codec_quality"] = self.codec_quality
         return out
+
+
+MAX_ELEMENTS = (1 << 31) - 1  # MLX's CUDA kernels index an array with 32-bit integers
+
+
+def _merge_run(blocks: list[DeviceBlock], r: int) -> Callable[[int], mx.array]:
+    """Run r of the blocks concatenated over them (token axis 3), as member i -> its [1, H, m * B, D] view.
+
+    In groups of members small enough to index: at 32k tokens an 8B model's run is 2.4e9 elements, and
+    on CUDA one such array is read out of bounds (an illegal memory access, on the H200)."""
+    first = blocks[0].runs[r]
+    per_member = first[0].size * len(blocks)
+    g = max(1, min(first.shape[0], MAX_ELEMENTS // per_member))
+    groups = [first[lo:lo + g] if len(blocks) == 1 else mx.concatenate([b.runs[r][lo:lo + g] for b in blocks], axis=3)
+              for lo in range(0, first.shape[0], g)]
+    return lambda i: mx.squeeze(groups[i // g][i % g:i % g + 1], 0)
 
 
 def _nbytes(signature: Signature) -> int:

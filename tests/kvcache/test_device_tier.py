@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from cluster.kvcache import device_blocks
+from cluster.store.hashing import chain_ids
 from cluster.store import arrays, block_format
 from tests.kvcache.conftest import forget_ram, prompt_of, ram_blocks
 
@@ -128,6 +129,24 @@ def test_under_sustained_load_a_spill_waits_no_longer_than_its_delay(disk_harnes
     h.warm(prompt_of(300), max_tokens=2)
     assert h.pc.tiers.disk.flush(30) and h.pc.tiers.disk.counters["spilled"] == len(ram_blocks(h)) > 0
     assert h.pc.backlog()["blocks"] == 0
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-gemma4"])
+def test_a_run_too_big_to_index_is_concatenated_in_groups_of_members_with_the_same_bits(harness, name, monkeypatch):
+    """MLX's CUDA kernels index with 32-bit integers: an 8B model's run over 32k tokens (2.4e9 elements) was
+    read out of bounds on the H200. Here the limit is shrunk so the tiny models' runs split too."""
+    from cluster.kvcache import prefix_cache
+
+    h = harness(name)
+    h.pc.few_launches = True
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    run = h.pc.tiers.ram.get(chain_ids(h.pc.namespace, prompt, h.B)[0]).runs[0]
+    monkeypatch.setattr(prefix_cache, "MAX_ELEMENTS", 3 * run[0].size * (300 // h.B))  # groups of 3 members
+    assert run.shape[0] > 3
+    warm = h.warm(prompt)
+    assert warm.cached == h.hit_after(300, 300, 302)
+    h.assert_same(warm, h.cold(prompt))
 
 
 def test_a_restore_of_blocks_read_in_measures_their_move_to_the_device(disk_harness):
