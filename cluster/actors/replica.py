@@ -32,6 +32,7 @@ from cluster.kvcache.admission import Admission
 from cluster.kvcache.index_publisher import IndexPublisher
 from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.session import BlockSession
+from cluster.kvcache.speeds import load_speeds, save_speeds, speeds_path
 from cluster.kvcache.store_link import ActorLink
 from cluster.models.resolve import resolve_model
 from cluster.node import current_node
@@ -63,6 +64,7 @@ class ModelReplica:
         self.admission = self.peers = self.publisher = None
         if self.cache.cache is not None:
             self.cache.cache.costs.prefill_tps = lambda: self.scheduler.prefill_tps  # restore or recompute
+            self._seed_speeds()
             if self.cache.cache.device:  # spills wait for the model thread to be idle (PrefixCache.spill_idle)
                 self.cache.cache.spill_when_idle = True
                 self.scheduler.when_idle(self.cache.cache.spill_idle)
@@ -79,9 +81,33 @@ class ModelReplica:
             if self.cache.cache is not None:
                 self.publisher = self._publish(app)
         self.exporter = metrics.StatsExporter()
-        self.metrics_loop = metrics.Every(lambda: metrics.export_replica(self.exporter, self.stats()),
-                                          METRICS_PERIOD_S, "mlx-fleet-metrics")
+        self.metrics_loop = metrics.Every(self._every_period, METRICS_PERIOD_S, "mlx-fleet-metrics")
         log.info("replica of %s ready on node %s (%s)", spec.name, self.node.node_id, self.path)
+
+    def _every_period(self) -> None:
+        metrics.export_replica(self.exporter, self.stats())
+        self._save_speeds()
+
+    def _seed_speeds(self) -> None:
+        """Start from the speeds a replica of the same fingerprint measured on this node (speeds.py)."""
+        pc = self.cache.cache
+        self.speeds_path = speeds_path(self.node.data_dir, pc.namespace)
+        self._saved_speeds = load_speeds(self.speeds_path, pc.namespace)
+        if self._saved_speeds is not None:
+            pc.costs.seed(self._saved_speeds)
+            self.scheduler.prefill_tps = self._saved_speeds.prefill_tps  # before any request: no race
+            log.info("%s: starting from the speeds measured before: %s", self.spec.name,
+                     pc.costs.stats())
+
+    def _save_speeds(self) -> None:
+        """Off the model thread (the metrics loop, and the replica's end); only when they changed."""
+        pc = self.cache.cache if getattr(self, "cache", None) is not None else None
+        if pc is None or not hasattr(self, "speeds_path"):
+            return
+        speeds = pc.costs.snapshot(pc.namespace)
+        if speeds.measured() and not speeds.same(self._saved_speeds):
+            save_speeds(self.speeds_path, speeds)
+            self._saved_speeds = speeds
 
     def _publish(self, app: AppConfig) -> IndexPublisher:
         """Announce this node's blocks of the model in the fleet index, and keep them true from the tiers' events."""
@@ -275,6 +301,10 @@ class ModelReplica:
         loop = getattr(self, "metrics_loop", None)
         if loop is not None:
             loop.stop()
+        try:
+            self._save_speeds()
+        except OSError as e:
+            log.warning("could not save the measured speeds: %s", e)
         publisher = getattr(self, "publisher", None)
         if publisher is not None:
             publisher.close()

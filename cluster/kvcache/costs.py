@@ -15,7 +15,8 @@ The speeds are moving averages of what this replica measured itself:
   Mac this is a copy within unified memory; on CUDA it migrates managed pages, about
   1.4 GB/s on the H200, as slow as the disk itself. Until measured, the RAM speed stands in.
 A speed not measured yet predicts nothing: the hit is taken (it is the likelier
-win, and taking it measures the speed). Both sides of the comparison share the
+win, and taking it measures the speed). The replica saves what it measured on the
+node and a restart starts from it (speeds.py). Both sides of the comparison share the
 prompt's last forward, so it is left out of both.
 """
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
+
+from cluster.kvcache.speeds import Speeds
 
 EMA = 0.3
 MIN_BYTES = 1 << 20  # a smaller transfer says more about fixed overheads than about bandwidth
@@ -64,6 +67,16 @@ class Costs:
         with self._lock:
             self.choices["restore" if restore else "recompute"] += 1
         return restore
+
+    def seed(self, speeds: Speeds) -> None:
+        """Start from speeds measured before (a restart): later measurements average into them."""
+        with self._lock:
+            self.ram_bps, self.disk_bps, self.move_bps = speeds.ram_bps, speeds.disk_bps, speeds.move_bps
+
+    def snapshot(self, namespace: bytes) -> Speeds:
+        with self._lock:
+            return Speeds(namespace=namespace.hex(), prefill_tps=self.prefill_tps(), ram_bps=self.ram_bps,
+                          disk_bps=self.disk_bps, move_bps=self.move_bps)
 
     def stats(self) -> dict:
         return {"prefill_tps": round(self.prefill_tps(), 1), "ram_gbps": round(self.ram_bps / 1e9, 3),

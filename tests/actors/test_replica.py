@@ -214,3 +214,21 @@ def test_a_model_whose_caches_cannot_batch_is_served_in_turns_and_says_why(app):
         assert batching["reason"].startswith("QuantizedKVCache has no batched form")
     finally:
         replica.__del__()
+
+
+def test_a_restarted_replica_starts_from_the_speeds_its_predecessor_measured(app):
+    first = ModelReplica(app.models[0], app)
+    try:
+        asyncio.run(collect(first, request("a")))
+        measured = first.scheduler.prefill_tps
+        assert measured > 0
+    finally:
+        first.__del__()  # saves what it measured
+    assert first.speeds_path.is_file()
+    second = ModelReplica(app.models[0], app)
+    try:
+        assert second.speeds_path == first.speeds_path
+        assert second.scheduler.prefill_tps == measured  # before it has served anything
+        assert second.stats()["cache"]["costs"]["prefill_tps"] == round(measured, 1)
+    finally:
+        second.__del__()
