@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="override every model's context window in tokens (default: each model's own)")
     up.add_argument("--no-batching", action="store_true",
                     help="decode each replica's sequences in turns, one token each, instead of in one batch")
+    up.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant decode: a batched request's logits bitwise its solo run's (on a GPU; costs throughput)")
     up.add_argument("--decode-concurrency", type=int, default=None,
                     help="sequences a replica decodes in one batch (default: its max ongoing requests, 16)")
     up.add_argument("--prefill-concurrency", type=int, default=None,
@@ -121,6 +123,8 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
                                    "stream_messages_per_s": a.stream_messages}.items() if v is not None}
     if a.no_batching:
         overrides["batching"] = False
+    if a.deterministic:
+        overrides["deterministic"] = True
     models = [ModelSpec.parse(m, **overrides) for m in (a.model or ["tiny-dense"])]
     ram = int(a.cache_ram_gb * 2**30) if a.cache_ram_gb is not None else None
     disk = int(a.cache_disk_gb * 2**30) if a.cache_disk_gb is not None else None

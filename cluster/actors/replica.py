@@ -156,7 +156,23 @@ class ModelReplica:
         if not can_batch and self.scheduler.batching:
             log.warning("%s: %s", self.spec.name, why)
             self.scheduler.disable_batching(why)
+        if self.spec.deterministic:
+            self._deterministic(model)
         return path, model, tokenizer, cache, memory
+
+    def _deterministic(self, model) -> None:
+        """Batch-invariant decode (engine/invariant.py); refused where the backend has none (Metal, for now)."""
+        from cluster.engine import invariant
+
+        pad = invariant.pads_rows()  # DeterministicUnsupported on Metal: the replica does not start
+        if not self.scheduler.batching:
+            self.scheduler.deterministic = "sequential: every sequence decodes alone"
+        else:
+            invariant.prepare(model)
+            self.scheduler.invariant, self.scheduler.pad_rows = True, pad
+            self.scheduler.deterministic = (f"invariant kernel, every step at {self.scheduler.decode_concurrency} rows"
+                                            if pad else "per-row attention (this backend's matmuls are row-exact)")
+        log.info("%s: deterministic decode: %s", self.spec.name, self.scheduler.deterministic)
 
     def _disk_link(self, app: AppConfig):
         """This node's disk tier, or None (RAM only) if it is off or cannot be reached."""

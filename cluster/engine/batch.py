@@ -34,7 +34,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from cluster.engine import model_thread
+from cluster.engine import invariant, model_thread
 from cluster.engine.events import Event, Failed
 from cluster.engine.sampling import normalize
 from cluster.engine.sequence import Sequence
@@ -100,8 +100,10 @@ def row_cache(cache, row: int):
 class DecodeBatch:
     """The decoding sequences of one replica and their batched caches."""
 
-    def __init__(self, model):
+    def __init__(self, model, invariant: bool = False, fixed_rows: int = 0):
         self.model = model
+        self.invariant = invariant  # batch-invariant decode (invariant.py), on a model it prepared
+        self.fixed_rows = fixed_rows  # its matmuls' row count (0: as they come, where the backend needs none)
         self.rows: list[Sequence] = []
         self.caches: Optional[list] = None
         self._y: Optional[mx.array] = None  # each row's sampled next token, not read back yet
@@ -190,7 +192,11 @@ class DecodeBatch:
             s.cache = None
 
     def _forward(self, rows: list[Sequence], inputs: mx.array) -> mx.array:
-        logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        if self.invariant:
+            with invariant.decoding(self.fixed_rows):
+                logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        else:
+            logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
         for i, s in enumerate(rows):
             if s.params.record_logits:
                 s.logits.append(logits[i])

@@ -62,7 +62,7 @@ class Scheduler:
     EMA = 0.2  # weight of the newest prefill sample in the throughput average
 
     def __init__(self, name: str = "mlx-fleet-model", batching: bool = True, decode_concurrency: int = 32,
-                 prefill_concurrency: int = 8):
+                 prefill_concurrency: int = 8, invariant: bool = False, pad_rows: bool = False):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
         self._waiting: deque[Job] = deque()
@@ -74,6 +74,10 @@ class Scheduler:
         self.batching_off_reason = "" if batching else "turned off in the config"
         self.decode_concurrency = decode_concurrency
         self.prefill_concurrency = prefill_concurrency
+        # Batch-invariant decode (engine/invariant.py, on a model it prepared); on a GPU (pad_rows) every step's
+        # matmuls at decode_concurrency rows.
+        self.invariant, self.pad_rows = invariant, pad_rows
+        self.deterministic = "on" if invariant else "off"  # how batched rows equal solo ones (status)
         self._stopping = False
         self.steps = 0
         self.batched_steps = 0
@@ -117,6 +121,7 @@ class Scheduler:
         """How the replica batches (for status)."""
         return {"batching": self.batching, "reason": self.batching_off_reason or None,
                 "decode_concurrency": self.decode_concurrency, "prefill_concurrency": self.prefill_concurrency,
+                "deterministic": self.deterministic,
                 "batched_steps": self.batched_steps,
                 "mean_batch": round(self.batched_rows / self.batched_steps, 2) if self.batched_steps else 0.0}
 
@@ -237,7 +242,8 @@ class Scheduler:
         if self._batch is None:
             if not self._jobs:
                 return
-            self._batch = DecodeBatch(next(iter(self._jobs.values())).seq.model)
+            self._batch = DecodeBatch(next(iter(self._jobs.values())).seq.model, self.invariant,
+                                      self.decode_concurrency if self.pad_rows else 0)
         self._admit()
         self._prefill_round()
         joiners = []

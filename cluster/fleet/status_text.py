@@ -70,10 +70,12 @@ def _batch_line(r: dict) -> str:
     b = r.get("batching") or {}
     stages = (f"decoding {r.get('decoding', 0)}, waiting {r.get('waiting', 0)}, "
               f"{r.get('queued_tokens', 0)} prompt tokens to prefill, {r.get('streams', 0)} in flight")
+    det = b.get("deterministic") or "off"
+    det = "" if det == "off" else f"; deterministic: {det}"
     if not b.get("batching"):
-        return f"batching: off ({b.get('reason') or '-'}); {stages}"
+        return f"batching: off ({b.get('reason') or '-'}); {stages}{det}"
     return (f"batching: up to {b['decode_concurrency']} decoding, {b['prefill_concurrency']} prefilling, "
-            f"mean batch {b['mean_batch']} over {b['batched_steps']} steps; {stages}")
+            f"mean batch {b['mean_batch']} over {b['batched_steps']} steps; {stages}{det}")
 
 
 def _cache_line(cache: dict) -> str:

@@ -232,3 +232,16 @@ def test_a_restarted_replica_starts_from_the_speeds_its_predecessor_measured(app
         assert second.stats()["cache"]["costs"]["prefill_tps"] == round(measured, 1)
     finally:
         second.__del__()
+
+
+def test_a_deterministic_replica_decodes_batch_invariant_and_says_how(app):
+    """On the CPU the mode routes attention per row and leaves matmuls as they are (tests/engine/test_invariant.py)."""
+    replica = ModelReplica(app.models[0].model_copy(update={"deterministic": True}), app)
+    try:
+        asyncio.run(collect(replica, request("a")))
+        batching = replica.stats()["batching"]
+        assert batching["deterministic"] == "per-row attention (this backend's matmuls are row-exact)"
+        assert (replica.scheduler.invariant, replica.scheduler.pad_rows) == (True, False)
+        assert type(replica.model.model.layers[0].self_attn.q_proj).__name__ == "_RowsLinear"
+    finally:
+        replica.__del__()

@@ -27,6 +27,14 @@ def test_a_replica_line_says_since_when_its_counters_count():
                             "waiting 1, 33 prompt tokens to prefill, 3 in flight")
 
 
+def test_the_batching_line_says_how_a_deterministic_replica_keeps_batched_rows_solo_exact():
+    on = replica(batching={**replica()["batching"], "deterministic": "invariant kernel, every step at 32 rows"})
+    lines = render(status(on)).splitlines()
+    assert lines[lines.index("replicas:") + 2].endswith(
+        "3 in flight; deterministic: invariant kernel, every step at 32 rows")
+    assert "deterministic" not in render(status(replica(batching={**replica()["batching"], "deterministic": "off"})))
+
+
 def test_replica_ages_read_in_seconds_minutes_or_hours():
     lines = [render(status(replica(renewed=1000.0 + s))).splitlines() for s in (42, 3600 * 2 + 420)]
     ages = [ls[ls.index("replicas:") + 1].rsplit("(", 1)[1] for ls in lines]
