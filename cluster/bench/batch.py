@@ -1,7 +1,9 @@
 """Continuous batching against sequential serving and against mlx_lm.server, in one run.
 
     mlx-fleet bench batch [--model tiny-dense] [--concurrency 1 2 4 8] [--prompt-tokens 32]
-                          [--max-tokens 128] [--rounds 5] [--no-http | --no-engine] [--json out.json]
+                          [--max-tokens 128] [--rounds 5] [--deterministic] [--no-sequential]
+                          [--no-http | --no-engine]
+                          [--json out.json]
 
 Two comparisons, each on the same greedy workload (at concurrency c, c distinct
 prompts of --prompt-tokens random tokens arrive at once, each generates
@@ -45,6 +47,9 @@ from cluster.bench.common import load, parser, write_json
 
 
 WARM_UP = "Warm-up."
+# A replica's prefill cuts: at absolute positions, whatever part of a step's budget a prompt gets beside others,
+# so a prompt prefills the same chunks in a batch as alone.
+SCHEDULE = None
 
 
 def prompts_for(seed: int, n: int, tokens: int) -> list[list[int]]:
@@ -52,17 +57,25 @@ def prompts_for(seed: int, n: int, tokens: int) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(tokens)] for _ in range(n)]
 
 
-def engine_round(model, tok, prompts: list[list[int]], max_tokens: int, batching: bool) -> dict:
+def engine_round(model, tok, prompts: list[list[int]], max_tokens: int, batching: bool,
+                 fixed_rows: int | None = None) -> dict:
+    """One round; `fixed_rows` not None: the batch-invariant mode, every step's matmuls at that many rows (0: as
+    they come), on a model `deterministic_rows` prepared."""
     from cluster.engine.cold_session import ColdSession
     from cluster.engine.events import Delta, Finished
+    from cluster.engine.schedule import Schedule
     from cluster.engine.request import GenerationParams
     from cluster.engine.scheduler import Scheduler
     from cluster.engine.sequence import Sequence
 
-    scheduler = Scheduler(name="mlx-fleet-bench", batching=batching, decode_concurrency=max(len(prompts), 1))
+    global SCHEDULE
+    SCHEDULE = SCHEDULE or Schedule.of("chunk", 64, 512)
+    scheduler = Scheduler(name="mlx-fleet-bench", batching=batching, decode_concurrency=fixed_rows or max(len(prompts), 1),
+                          invariant=fixed_rows is not None, pad_rows=bool(fixed_rows))
     try:
         def seqs(ps, n):
-            return [Sequence(p, GenerationParams(max_tokens=n), model, tok, ColdSession(model)) for p in ps]
+            return [Sequence(p, GenerationParams(max_tokens=n), model, tok, ColdSession(model, schedule=SCHEDULE))
+                    for p in ps]
         scheduler.run_all(seqs(prompts[:1], 2))  # warm-up: compiled kernels, allocator
         t0 = time.perf_counter()
         events = scheduler.run_all(seqs(prompts, max_tokens))
@@ -182,29 +195,64 @@ def mlx_lm_round(model, tok, prompts: list[list[int]], max_tokens: int) -> dict:
             "tokens": [list(t) for t in out.token_ids]}
 
 
+def deterministic_rows(a, model) -> int | None:
+    """The deterministic way's fixed row count (the largest concurrency, as a replica's decode_concurrency; 0
+    where the backend's matmuls are row-exact), on the model prepared for it; None without --deterministic."""
+    from cluster.engine import invariant
+
+    if not a.deterministic:
+        return None
+    pad = invariant.pads_rows()
+    invariant.prepare(model)
+    return max(a.concurrency) if pad else 0
+
+
 def run_engine(a, model, tok) -> dict:
     rows = {}
+    det = deterministic_rows(a, model)
     for c in a.concurrency:
         prompts = prompts_for(1000 + c, c, a.prompt_tokens)
-        ways = {"sequential": [], "batched": [], "reference": []}
+        ways = {"batched": [], "reference": []} if a.no_sequential else {"sequential": [], "batched": [], "reference": []}
+        invariant_rounds = []
         for _ in range(a.rounds):  # interleaved, so that a slow spell of the VM hits all three alike
-            ways["sequential"].append(engine_round(model, tok, prompts, a.max_tokens, batching=False))
+            if not a.no_sequential:
+                ways["sequential"].append(engine_round(model, tok, prompts, a.max_tokens, batching=False))
             ways["batched"].append(engine_round(model, tok, prompts, a.max_tokens, batching=True))
             ways["reference"].append(mlx_lm_round(model, tok, prompts, a.max_tokens))
+            if det is not None:
+                invariant_rounds.append(engine_round(model, tok, prompts, a.max_tokens, batching=True, fixed_rows=det))
         got = [r.pop("tokens") for way in ways.values() for r in way]
         same = all(t == got[0] for t in got)
-        seq_r, bat_r, ref_r = (median_round(ways[w]) for w in ("sequential", "batched", "reference"))
+        bat_r, ref_r = median_round(ways["batched"]), median_round(ways["reference"])
+        seq_r = median_round(ways["sequential"]) if "sequential" in ways else {"tokens_per_s": None,
+                                                                              "decode_tokens_per_s": None, "ttft_p50_s": None}
         rows[c] = {"sequential": seq_r, "batched": bat_r, "mlx_lm_batch_generate": ref_r, "identical_tokens": same,
                    "vs_mlx_lm": round(bat_r["tokens_per_s"] / ref_r["tokens_per_s"], 2),
-                   "speedup": round(bat_r["tokens_per_s"] / seq_r["tokens_per_s"], 2),
+                   "speedup": round(bat_r["tokens_per_s"] / seq_r["tokens_per_s"], 2) if seq_r["tokens_per_s"] else None,
                    "decode_speedup": round(bat_r["decode_tokens_per_s"] / seq_r["decode_tokens_per_s"], 2)
                    if bat_r["decode_tokens_per_s"] and seq_r["decode_tokens_per_s"] else None}
+        if det is not None:
+            rows[c]["deterministic"] = deterministic_row(model, tok, prompts, a.max_tokens, det, invariant_rounds, bat_r)
         print(f"engine c={c}: sequential {seq_r['tokens_per_s']} tok/s (decode {seq_r['decode_tokens_per_s']}), "
               f"batched {bat_r['tokens_per_s']} tok/s (decode {bat_r['decode_tokens_per_s']}): "
               f"{rows[c]['speedup']}x, decode {rows[c]['decode_speedup']}x; mlx-lm batch_generate "
               f"{ref_r['tokens_per_s']} tok/s ({rows[c]['vs_mlx_lm']}x); TTFT p50 "
               f"{seq_r['ttft_p50_s']} -> {bat_r['ttft_p50_s']} s; identical tokens: {same}")
+        if det is not None:
+            d = rows[c]["deterministic"]
+            print(f"engine c={c}: deterministic {d['tokens_per_s']} tok/s ({d['vs_batched']}x the default batched); "
+                  f"every round's tokens those of each request alone in the mode: {d['solo_identical']}")
     return rows
+
+
+def deterministic_row(model, tok, prompts, max_tokens: int, rows: int, rounds: list[dict], batched: dict) -> dict:
+    """The deterministic way's median round, its cost against the default batched way, and whether every
+    round gave each request its tokens alone (each prompt run once alone, in the mode)."""
+    alone = [engine_round(model, tok, [p], max_tokens, batching=True, fixed_rows=rows)["tokens"][0] for p in prompts]
+    got = [r.pop("tokens") for r in rounds]
+    best = median_round(rounds)
+    return {**best, "vs_batched": round(best["tokens_per_s"] / batched["tokens_per_s"], 2),
+            "solo_identical": all(t == alone for t in got)}
 
 
 def run_http(a, tok, path: Path) -> dict:
@@ -256,6 +304,11 @@ def main(argv: list[str]) -> int:
                    help="requests at once, one run per value")
     p.add_argument("--prompt-tokens", type=int, default=32, help="tokens of each request's prompt; short, so a round is mostly decode")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens each request generates")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also the batch-invariant mode (deterministic: true), its cost against the default and whether "
+                        "each batched request gets its solo tokens")
+    p.add_argument("--no-sequential", action="store_true",
+                   help="skip the sequential way (on a GPU its c=32 rounds take minutes and say little)")
     p.add_argument("--no-http", action="store_true", help="skip the HTTP comparison with mlx_lm.server")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine comparison")
     p.add_argument("--rounds", type=int, default=5, help="rounds per concurrency and way; the median is reported")

@@ -32,7 +32,7 @@ from cluster.bench.common import environment, parser
 
 SUITES = ["tests/engine", "tests/families", "tests/kvcache", "tests/store", "tests/models"]
 # In those folders, the modules that need a Redis server (none on the GPU machine).
-NEEDS_REDIS = ["tests/store/test_fleet_index.py", "tests/kvcache/test_fleet_index_e2e.py"]
+NEEDS_REDIS = ["tests/store/test_fleet_index.py", "tests/kvcache/test_fleet_index_e2e.py", "tests/store/test_redis_client.py"]
 TTFT_MODELS = "bench-qwen3-8b,bench-qwen3-0.6b-bf16,bench-hybrid-8b,bench-gemma3-4b"
 
 
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
                 "--resume-at", *a.resume_at, "--vs-mlx-lm-server", "--json", str(a.out / "ttft.json")]
         summary["ttft"] = run_part("ttft", argv, a.out, a.timeout)
     if "batch" in parts:
-        argv = [*bench, "batch", *data, "--no-http", "--model", a.batch_model, "--prompt-tokens", "128",
+        argv = [*bench, "batch", *data, "--no-http", "--no-sequential", "--deterministic", "--model", a.batch_model, "--prompt-tokens", "128",
                 "--rounds", "3", "--concurrency", *map(str, a.concurrency), "--json", str(a.out / "batch.json")]
         summary["batch"] = run_part("batch", argv, a.out, a.timeout)
     if "agreement" in parts:
