@@ -94,7 +94,8 @@ def main(argv: list[str]) -> int:
                 "--resume-at", *a.resume_at, "--vs-mlx-lm-server", "--json", str(a.out / "ttft.json")]
         summary["ttft"] = run_part("ttft", argv, a.out, a.timeout)
     if "batch" in parts:
-        argv = [*bench, "batch", *data, "--no-http", "--no-sequential", "--deterministic", "--model", a.batch_model, "--prompt-tokens", "128",
+        argv = [*bench, "batch", *data, "--no-http", "--no-sequential", "--deterministic", "--model", a.batch_model,
+                "--prompt-tokens", "128",
                 "--rounds", "3", "--concurrency", *map(str, a.concurrency), "--json", str(a.out / "batch.json")]
         summary["batch"] = run_part("batch", argv, a.out, a.timeout)
     if "agreement" in parts:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,13 +30,14 @@ class MlxLmServer:
     def __init__(self, model_dir: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="mlx_lm.server-", suffix=".log")  # its traceback, if it fails
         self.proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
                                       "--host", "127.0.0.1", "--port", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited ({self.proc.returncode}): {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"mlx_lm.server exited ({self.proc.returncode}): {self.stderr_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return
@@ -53,7 +55,8 @@ class MlxLmServer:
             with urllib.request.urlopen(request, timeout=600) as r:
                 reply = json.loads(r.read())
         except urllib.error.HTTPError as e:  # it answers a failed generation with 404 and the error as the body
-            raise RuntimeError(f"mlx_lm.server answered {e.code}: {e.read()[:2000].decode(errors='replace')}") from e
+            raise RuntimeError(f"mlx_lm.server answered {e.code}: {e.read()[:2000].decode(errors='replace')}; "
+                               f"its log ends: {self.stderr_tail()}") from e
         return time.perf_counter() - t0, int(reply.get("usage", {}).get("prompt_tokens", 0))
 
     def measure(self, warmup: str, text: str) -> dict:
@@ -63,6 +66,9 @@ class MlxLmServer:
         return {"server_tokens": tokens, "server_cold_s": cold, "server_cached_s": cached,
                 "server_cached_vs_cold": cached / cold}
 
+    def stderr_tail(self, n: int = 2000) -> str:
+        return Path(self.log.name).read_bytes()[-n:].decode(errors="replace")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -71,6 +77,7 @@ class MlxLmServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
     def __enter__(self):
         return self
