@@ -59,3 +59,21 @@ class GenerationParams:
     tools: Optional[str] = None  # the request's tools (JSON): parse tool calls out of the reply
     tool_choice: Optional[str] = None  # force a call: "*" (any of the tools) or a tool's name
     record_logits: bool = False  # keep each step's logits (tests compare them across runs)
+
+
+def params_to_wire(params: GenerationParams) -> dict:
+    """Plain data (msgpack-able) for another process: a sharded replica's ranks rebuild the same request."""
+    s = params.sampling
+    return {"max_tokens": params.max_tokens, "stop": list(params.stop), "trim_leading_space": params.trim_leading_space,
+            "tools": params.tools, "tool_choice": params.tool_choice, "record_logits": params.record_logits,
+            "sampling": {**{f: getattr(s, f) for f in SamplingParams.__dataclass_fields__ if f != "logit_bias"},
+                         "logit_bias": [list(p) for p in s.logit_bias]}}
+
+
+def params_from_wire(data: dict) -> GenerationParams:
+    """The inverse of params_to_wire; a field it does not know is an error, not a silent default."""
+    sampling = dict(data["sampling"])
+    sampling["logit_bias"] = tuple((int(t), float(b)) for t, b in sampling["logit_bias"])
+    return GenerationParams(max_tokens=data["max_tokens"], sampling=SamplingParams(**sampling),
+                            stop=tuple(data["stop"]), trim_leading_space=data["trim_leading_space"],
+                            tools=data["tools"], tool_choice=data["tool_choice"], record_logits=data["record_logits"])

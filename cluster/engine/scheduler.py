@@ -37,6 +37,7 @@ from typing import Callable, TypeVar
 from cluster.engine import model_thread
 from cluster.engine.batch import DecodeBatch
 from cluster.engine.events import TERMINAL, Event, Failed
+from cluster.engine.lockstep import STOP, Lockstep, Rebuild, cancelled, describe, fix_seed, rebuilt
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class Scheduler:
         self.batched_rows = 0  # sum over batched steps of the rows in them (mean batch = rows / steps)
         self.prefill_tps: float = 0.0  # moving average of measured prefill throughput (0: not measured yet)
         self._idle: list[Callable[[], bool]] = []  # model-thread work for when no sequence is in flight
+        # A sharded model (lockstep.py): rank 0 shares each turn's new requests and cancellations; a follower
+        # rebuilds them (`rebuild`) and runs the same turns. Set by `join`, once the model is loaded.
+        self.lockstep: Lockstep | None = None
+        self._rebuild: Rebuild | None = None
+        self._turn_items: list[dict] = []
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -180,6 +186,16 @@ class Scheduler:
         inbox has been empty for IDLE_POLL_S. A request that arrives waits for one call at most."""
         self.call(lambda: self._idle.append(fn))
 
+    def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None) -> None:
+        """From now on run in lockstep with the other ranks of a sharded model: rank 0 leads, the others follow
+        (they need `rebuild`) until rank 0 stops. Call it once the model is loaded, before any request."""
+        if not lockstep.leads and rebuild is None:
+            raise ValueError("a follower rank needs a way to rebuild rank 0's requests")
+
+        def set_() -> None:
+            self.lockstep, self._rebuild = lockstep, rebuild
+        self.run(set_)
+
     def stop(self) -> None:
         self._stopping = True
         self._inbox.put(("stop", "", None, None))
@@ -196,10 +212,19 @@ class Scheduler:
         import mlx.core as mx
 
         while not self._stopping:
-            if not self._jobs and self._idle_round():
-                self._drain(block=True, timeout_s=IDLE_POLL_S)
+            if self.lockstep is not None and not self.lockstep.leads:
+                if not self._follow():
+                    break
             else:
-                self._drain(block=not self._jobs)
+                if not self._jobs and self._idle_round():
+                    self._drain(block=True, timeout_s=IDLE_POLL_S)
+                else:
+                    self._drain(block=not self._jobs)
+                if self.lockstep is not None:
+                    if not (self._turn_items or self._jobs):
+                        continue  # nothing to run: the followers wait for the next turn
+                    self.lockstep.share(self._turn_items)
+                    self._turn_items = []
             if self.batching:
                 self._turn_batched()
             else:
@@ -208,6 +233,8 @@ class Scheduler:
             self.steps += 1
             if self.steps % 256 == 0:
                 mx.clear_cache()
+        if self.lockstep is not None and self.lockstep.leads:
+            self.lockstep.share([{STOP: True}])  # the followers end with their leader
         for job in list(self._jobs.values()):
             job.seq.close()
             job.emit([Failed("replica is shutting down", status=503)])
@@ -346,6 +373,30 @@ class Scheduler:
             tps = tokens / seconds
             self.prefill_tps = tps if not self.prefill_tps else (1 - self.EMA) * self.prefill_tps + self.EMA * tps
 
+    def _follow(self) -> bool:
+        """A follower's turn: take rank 0's items and apply them as rank 0 did; False when rank 0 stopped."""
+        for item in self.lockstep.share(None):
+            if STOP in item:
+                self._stopping = True
+                return False
+            if "add" in item:
+                self._add(Job(item["add"], rebuilt(item, self._rebuild), lambda events: None))
+            else:
+                self._cancel(item["cancel"])
+        return True
+
+    def _add(self, job: Job) -> None:
+        self._jobs[job.request_id] = job
+        self._by_seq[id(job.seq)] = job
+        if self.batching:
+            self._waiting.append(job)
+
+    def _cancel(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.seq.close()  # a batch drops the row at its next step
+            self._forget(job)
+
     def _drain(self, block: bool, timeout_s: float | None = None) -> None:
         while True:
             try:
@@ -354,16 +405,14 @@ class Scheduler:
                 return
             block = False
             if kind == "add":
-                job = obj
-                self._jobs[request_id] = job
-                self._by_seq[id(job.seq)] = job
-                if self.batching:
-                    self._waiting.append(job)
+                if self.lockstep is not None:
+                    fix_seed(obj.seq)
+                    self._turn_items.append(describe(request_id, obj.seq))
+                self._add(obj)
             elif kind == "cancel":
-                job = self._jobs.get(request_id)
-                if job is not None:
-                    job.seq.close()  # a batch drops the row at its next step
-                    self._forget(job)
+                if self.lockstep is not None and request_id in self._jobs:
+                    self._turn_items.append(cancelled(request_id))
+                self._cancel(request_id)
             elif kind == "call":
                 try:
                     obj()

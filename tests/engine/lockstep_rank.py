@@ -1,0 +1,152 @@
+"""One rank of a two-process sharded model, for tests/engine/test_lockstep.py.
+
+    python -m tests.engine.lockstep_rank RANK HOSTFILE MODEL DATA_DIR OUT.json
+
+Each rank starts MLX's ring backend over loopback, loads the built-in MODEL and shards it (tensor
+parallel) on its scheduler's model thread, then joins the lockstep. Rank 0 serves the requests below
+(every request at once, batched; one sampled without a seed; one cancelled after its third token),
+and, before sharding, runs each greedy one alone on the whole model as the reference. Every rank
+writes what each request generated, so the test can check that the ranks agree token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+GREEDY = 10
+PROMPT_LENGTHS = [24, 70, 5, 140, 33, 1, 90, 47, 120, 12]
+
+
+def prompt_of(n: int, salt: int) -> list[int]:
+    return [3 + (i * 7919 + salt * 104729) % 1021 for i in range(n)]
+
+
+def main() -> int:
+    rank, hostfile, name, data_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+    os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(rank), hostfile
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from cluster.engine.cold_session import ColdSession
+    from cluster.engine.events import Delta, Finished, Started
+    from cluster.engine.lockstep import Lockstep
+    from cluster.engine.request import GenerationParams, SamplingParams
+    from cluster.engine.schedule import Schedule
+    from cluster.engine.scheduler import Scheduler
+    from cluster.engine.sequence import Sequence
+    from cluster.models.resolve import resolve_model
+
+    schedule = Schedule.of("chunk", 32, 64)
+    scheduler = Scheduler(name=f"mlx-fleet-rank{rank}", decode_concurrency=16)
+
+    def setup():
+        group = mx.distributed.init(backend="ring", strict=True)
+        model, tok = load(str(resolve_model(name, data_dir)))
+        return group, model, tok
+
+    group, model, tok = scheduler.run(setup)
+
+    def seq(prompt, params, step=64) -> Sequence:
+        return Sequence(prompt, params, model, tok, ColdSession(model, schedule=schedule), step)
+
+    def greedy(n: int) -> GenerationParams:
+        return GenerationParams(max_tokens=n, sampling=SamplingParams(logprobs=0))
+
+    prompts = [prompt_of(n, i) for i, n in enumerate(PROMPT_LENGTHS)]
+    result = {"rank": rank, "size": group.size()}
+    if rank == 0:  # the whole model's answers, each request alone
+        def alone():
+            answers = []
+            for p in prompts:
+                s = seq(p, greedy(GREEDY))
+                s.begin()
+                events = []
+                while not s.done:
+                    events += s.step()
+                answers.append(events)
+            return answers
+        result["unsharded"] = [describe(e, Delta, Finished) for e in scheduler.run(alone)]
+
+    def shard():
+        model.shard(group)
+        mx.eval(model.parameters())
+    scheduler.run(shard)
+    generated: dict[str, list[int]] = {}
+
+    def rebuild(prompt, params, step):
+        s = seq(prompt, params, step)
+        generated[str(len(generated))] = s.generated  # the same object: filled as the follower decodes
+        return s
+
+    scheduler.join(Lockstep(group), rebuild)
+    if rank == 0:
+        seqs = [seq(p, greedy(GREEDY)) for p in prompts]
+        seqs.append(seq(prompts[3], GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0))))
+        cancel = seq(prompts[1], greedy(40))
+        got = serve(scheduler, seqs, cancel, Started)
+        result["sharded"] = [describe(e, Delta, Finished) for e in got]
+        result["sampled"] = seqs[-1].generated
+        result["cancelled_after"] = len(cancel.generated)
+        result["generated"] = [cancel.generated] + [s.generated for s in seqs]  # in the order submitted
+        scheduler.stop()
+    else:
+        while scheduler.alive:  # until rank 0 stops: its last item stops this rank too
+            time.sleep(0.05)
+        result["generated"] = [generated[str(i)] for i in range(len(generated))]
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
+def serve(scheduler, seqs, cancel, started):
+    """Every sequence at once, and one more cancelled once it has three tokens."""
+    import threading
+
+    from cluster.engine.events import TERMINAL, Delta
+
+    done = threading.Event()
+    events = [[] for _ in seqs]
+    ended = [False] * len(seqs)
+    lock = threading.Condition()
+
+    def emit_for(i):
+        def emit(batch):
+            with lock:
+                events[i].extend(batch)
+                ended[i] = ended[i] or any(isinstance(e, TERMINAL) for e in batch)
+                lock.notify_all()
+        return emit
+
+    cancel_tokens = []
+
+    def emit_cancel(batch):
+        with lock:
+            cancel_tokens.extend(t for e in batch if isinstance(e, Delta) for t in e.token_ids)
+            lock.notify_all()
+
+    scheduler.submit("cancel-me", cancel, emit_cancel)
+    for i, s in enumerate(seqs):
+        scheduler.submit(f"r{i}", s, emit_for(i))
+    with lock:
+        lock.wait_for(lambda: len(cancel_tokens) >= 3, 120)
+    scheduler.cancel("cancel-me")
+    with lock:
+        lock.wait_for(lambda: all(ended), 300)
+    done.set()
+    return events
+
+
+def describe(events, delta, finished) -> dict:
+    toks = [t for e in events if isinstance(e, delta) for t in e.token_ids]
+    first = next((e.logprobs[0].logprob for e in events if isinstance(e, delta) and e.logprobs), None)
+    end = next(e for e in events if isinstance(e, finished))
+    return {"tokens": toks, "first_logprob": first, "finish": end.finish_reason}
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # MLX's ring backend aborts in its teardown at interpreter exit; everything is written by now
