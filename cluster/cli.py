@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="override every model's context window in tokens (default: each model's own)")
     up.add_argument("--no-batching", action="store_true",
                     help="decode each replica's sequences in turns, one token each, instead of in one batch")
+    up.add_argument("--shards", type=int, default=None,
+                    help="nodes each replica of every model spans (tensor parallel; default 1: a whole model per node)")
+    up.add_argument("--shard-mode", choices=["tensor"], default=None,
+                    help="how a sharded replica splits the model (tensor: every layer over the ranks)")
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant decode: a batched request's logits bitwise its solo run's (on a GPU; costs throughput)")
     up.add_argument("--decode-concurrency", type=int, default=None,
@@ -120,7 +124,8 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
     overrides = {k: v for k, v in {"max_context": a.max_context, "decode_concurrency": a.decode_concurrency,
                                    "prefill_concurrency": a.prefill_concurrency,
                                    "stream_interval_s": a.stream_interval,
-                                   "stream_messages_per_s": a.stream_messages}.items() if v is not None}
+                                   "stream_messages_per_s": a.stream_messages, "shards": a.shards,
+                                   "shard_mode": a.shard_mode}.items() if v is not None}
     if a.no_batching:
         overrides["batching"] = False
     if a.deterministic:
@@ -288,7 +293,8 @@ UP_FLAGS = {("FleetConfig", "nodes"): "--nodes", ("FleetConfig", "port"): "--por
             ("FleetConfig", "redis_url"): "--redis-url", ("AppConfig", "redis_url"): "--redis-url",
             ("AppConfig", "models"): "--model", ("ModelSpec", "name"): "--model", ("ModelSpec", "source"): "--model",
             ("ModelSpec", "max_context"): "--max-context", ("ModelSpec", "decode_concurrency"): "--decode-concurrency",
-            ("ModelSpec", "prefill_concurrency"): "--prefill-concurrency",
+            ("ModelSpec", "prefill_concurrency"): "--prefill-concurrency", ("ModelSpec", "shards"): "--shards",
+            ("ModelSpec", "shard_mode"): "--shard-mode",
             ("ModelSpec", "stream_interval_s"): "--stream-interval",
             ("ModelSpec", "stream_messages_per_s"): "--stream-messages",
             ("CacheConfig", "block_tokens"): "--block-tokens (16-256, default 64)",

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.models.catalog import DEFAULT_MODEL
 
@@ -174,12 +174,25 @@ class ModelSpec(_Config):
     decode_concurrency: Optional[int] = Field(
         None, ge=1, le=1024, description="Sequences one replica decodes in one batch; more wait, holding only their fetched blocks. Default: max_ongoing_requests.",
     )
+    shards: int = Field(
+        1, ge=1, le=64, description="Nodes one replica of this model spans (tensor parallel over mx.distributed, one rank per node; engine/sharding.py), for a model bigger than one Mac. The replica takes that many fleet nodes at once (a Ray placement group, one bundle per node); replicas default to nodes // shards. 1: the whole model on every node.",
+    )
+    shard_mode: Literal["tensor"] = Field(
+        "tensor", description="How a sharded replica splits the model: tensor (every layer's heads and MLP columns split over the ranks; needs mlx-lm's shard() for the family). Pipeline parallel is not offered yet.",
+    )
     deterministic: bool = Field(
         False, description="Batch-invariant decode: a batched request's logits are bitwise those it gets alone (engine/invariant.py). On a GPU every decode step's matmuls run at decode_concurrency rows and attention runs in a kernel whose sums do not depend on the batch; it costs throughput (docs/gpu.md measures it). On the CPU backend batched rows are already their solo runs, so nothing changes; on Metal it is not available yet and the replica refuses to start.",
     )
     prefill_concurrency: int = Field(
         8, ge=1, le=1024, description="Prompts one replica has in prefill at once: restored, then prefilled oldest first in block-aligned chunks, about prefill_step_tokens per decode step.",
     )
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> "ModelSpec":
+        if self.shards > 1 and self.deterministic:
+            raise ValueError("deterministic: true with shards > 1 is not offered yet: a sharded model's layers are "
+                             "mlx-lm's sharded linears, which the batch-invariant mode does not pad; drop one of them")
+        return self
 
     @field_validator("name")
     @classmethod

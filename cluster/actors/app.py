@@ -5,7 +5,8 @@ and what `mlx-fleet up` deploys, so both build the same graph from an AppConfig.
 
 Placement: each fleet node advertises the custom resource `mlx_fleet`; a replica
 asks for a sliver of it (so several models can share a node) and
-`max_replicas_per_node=1` spreads one replica of each model per node.
+`max_replicas_per_node=1` spreads one replica of each model per node. A sharded
+model's replica spans `shards` nodes (`placement`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cluster.actors.router import PlanRouter
 from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec
 
 REPLICA_RESOURCE_SHARE = 0.001
+SHARD_BUNDLE_SHARE = 0.6
 
 
 def fleet_node_count() -> int:
@@ -31,12 +33,22 @@ def fleet_node_count() -> int:
     return sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE))
 
 
+def placement(spec: ModelSpec, nodes: int) -> dict:
+    """How many replicas, and where: one per node, or, sharded, one per `shards` nodes, each in a placement group
+    of one bundle per node (STRICT_SPREAD). A bundle takes over half a node's `mlx_fleet`, so a node holds one
+    rank of a sharded replica at most, beside the slivers unsharded replicas take."""
+    if spec.shards == 1:
+        replicas = spec.num_replicas if spec.num_replicas is not None else max(nodes, 1)
+        return {"num_replicas": replicas, "max_replicas_per_node": 1}
+    replicas = spec.num_replicas if spec.num_replicas is not None else max(nodes // spec.shards, 1)
+    return {"num_replicas": replicas, "placement_group_bundles": [{NODE_RESOURCE: SHARD_BUNDLE_SHARE}] * spec.shards,
+            "placement_group_strategy": "STRICT_SPREAD"}
+
+
 def replica_deployment(spec: ModelSpec, config: AppConfig, nodes: int):
-    replicas = spec.num_replicas if spec.num_replicas is not None else max(nodes, 1)
     return serve.deployment(ModelReplica).options(
         name=spec.deployment,
-        num_replicas=replicas,
-        max_replicas_per_node=1,
+        **placement(spec, nodes),
         max_ongoing_requests=spec.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, "resources": {NODE_RESOURCE: REPLICA_RESOURCE_SHARE}},
         # The gateway's route plan rides in the request; this router honours it (router.py).

@@ -46,6 +46,7 @@ class Run:
     stream: AsyncIterator[Event]
     response: object
     cached_tokens: int = 0
+    shard_nodes: tuple[str, ...] = ()
     started: Optional[Started] = None
     started_at: float = 0.0  # monotonic time the first token's Started arrived
     on_close: Optional[Callable[[], None]] = field(default=None, repr=False)
@@ -66,7 +67,7 @@ class Run:
             yield event
 
     def headers(self, cached_tokens: int) -> dict[str, str]:
-        return {"x-fleet-node": self.node_id, "x-fleet-route": self.route,
+        return {"x-fleet-node": ",".join((self.node_id, *self.shard_nodes)), "x-fleet-route": self.route,
                 "x-fleet-cached-tokens": str(cached_tokens)}
 
     def cancel(self) -> None:
@@ -146,7 +147,8 @@ class Dispatcher:
             response.cancel()
             raise
         assert isinstance(first, Accepted), first
-        run = Run(node_id=first.node_id, plan=request.route, buffered=[], stream=stream, response=response)
+        run = Run(node_id=first.node_id, plan=request.route, buffered=[], stream=stream, response=response,
+                  shard_nodes=first.shard_nodes)
         reserved.move(first.node_id)  # a moved request (or a fallback plan's) runs and waits there
         queued.move(first.node_id)
         run.on_close = reserved.release
@@ -173,7 +175,7 @@ class Dispatcher:
         for attempt in range(ATTEMPTS):
             run = await self.start(served, request)
             try:
-                whole, done = await _gather(run)
+                whole, done = await _gather(run, self.config.gateway.retry_after_s)
                 return run, whole, done
             except _REPLICA_LOST as e:
                 log.warning("replica lost during %s (attempt %d): %s", request.request_id, attempt + 1, e)
@@ -204,8 +206,9 @@ class _Held:
             self.node_id = None
 
 
-async def _gather(run: Run) -> tuple[Delta, Finished]:
-    """The whole reply as one Delta (text, tokens, logprobs, tool calls) and its end."""
+async def _gather(run: Run, retry_after_s: int) -> tuple[Delta, Finished]:
+    """The whole reply as one Delta (text, tokens, logprobs, tool calls) and its end. A replica's 503 (a sharded
+    replica that lost a rank) says when to retry, as the gateway's own do."""
     parts: list[Delta] = []
     async for event in run.events():
         if isinstance(event, Delta):
@@ -215,7 +218,8 @@ async def _gather(run: Run) -> tuple[Delta, Finished]:
                          tuple(p for d in parts for p in d.logprobs),
                          tuple(c for d in parts for c in d.tool_calls)), event
         elif isinstance(event, Failed):
-            raise APIError(event.status, event.message, type="server_error", code="generation_failed")
+            raise APIError(event.status, event.message, type="server_error", code="generation_failed",
+                           headers={"Retry-After": str(retry_after_s)} if event.status == 503 else None)
     raise RayActorError()  # the stream ended without a verdict: treat as a lost replica
 
 

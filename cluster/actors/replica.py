@@ -54,11 +54,19 @@ class ModelReplica:
         self.spec = spec
         self.node = current_node(app.data_dir)
         self.started = time.time()
-        link = self._disk_link(app)
+        link = self._disk_link(app) if spec.shards == 1 else None
         self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}", batching=spec.batching,
                                    decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
                                    prefill_concurrency=spec.prefill_concurrency)
+        self.shards = None  # a sharded replica's other ranks (shard_rank.py)
+        if spec.shards > 1:
+            from cluster.actors.shard_rank import ShardGroup
+
+            model_dir = self.scheduler.run(lambda: resolve_model(spec.source, Path(app.data_dir).expanduser()))
+            self.shards = ShardGroup(spec, app, model_dir)
         self.path, self.model, self.tokenizer, self.cache, self.memory = self.scheduler.run(lambda: self._load(app, link))
+        if self.shards is not None:
+            self.shards.lead(self.scheduler)
         self.grammars = Grammars(self.tokenizer._tokenizer)  # its llguidance tokenizer is built on first use
         self.ray_node_id = _ray_node_id()
         self.admission = self.peers = self.publisher = None
@@ -136,9 +144,15 @@ class ModelReplica:
         memory = configure_memory()
         self.backend = backend()  # what status shows; the fingerprint pins it too
         path = resolve_model(self.spec.source, Path(app.data_dir).expanduser())
-        model, tokenizer = load(str(path))
-        cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
-                            prefill_step=self.spec.prefill_step_tokens)
+        if self.shards is not None:
+            from cluster.kvcache.setup import CacheSetup
+
+            model, tokenizer = self.shards.load(path, self.node.data_dir)
+            cache = CacheSetup(None, None, f"a replica sharded over {self.spec.shards} nodes keeps no prefix cache yet")
+        else:
+            model, tokenizer = load(str(path))
+            cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
+                                prefill_step=self.spec.prefill_step_tokens)
         if cache.cache is not None and cache.cache.device:
             from mlx.utils import tree_flatten
 
@@ -189,7 +203,7 @@ class ModelReplica:
         """Stream lists of events for one request; the first list is [Accepted]."""
         loop = asyncio.get_running_loop()
         self.counters["requests"] += 1
-        yield [Accepted(self.node.node_id)]
+        yield [Accepted(self.node.node_id, tuple(r["node_id"] for r in self.shards.ranks) if self.shards else ())]
         prompt = list(request.prompt_tokens)
         pull = request.route.fetch if request.route is not None else None
         if request.use_cache:
@@ -267,6 +281,8 @@ class ModelReplica:
             "streams": self.streams,
             **self.scheduler.load(),
             "batching": self.scheduler.stats(),
+            "shards": self.shards.stats({"node_id": self.node.node_id, "node_name": self.node.name})
+            if getattr(self, "shards", None) is not None else None,
             **self.counters,
             "cache": self.cache_stats(),
         }
@@ -297,9 +313,13 @@ class ModelReplica:
                 "disk_blocks": len(pc.tiers.disk.on_disk) if pc.tiers.disk is not None else 0,
                 "disk_bytes": pc.tiers.disk.disk_bytes if pc.tiers.disk is not None else 0}
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         if not self.scheduler.alive:
             raise RuntimeError("model thread died")
+        if self.scheduler.broken:
+            raise RuntimeError(self.scheduler.broken)
+        if self.shards is not None:
+            await self.shards.check()
         loopback.check_listeners()
 
     def __del__(self):

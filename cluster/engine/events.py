@@ -18,6 +18,7 @@ class Accepted:
     """The replica took the request (sent before any model work)."""
 
     node_id: str
+    shard_nodes: tuple[str, ...] = ()  # a sharded replica's other ranks' nodes (x-fleet-node names them all)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,11 @@ class Lockstep:
         return items if self.leads else msgpack.unpackb(np.array(got).tobytes())
 
 
+def group_lost(e: BaseException) -> bool:
+    """Whether `e` is MLX's distributed backend losing a peer (a rank died or its node went away)."""
+    return isinstance(e, RuntimeError) and str(e).startswith(("[ring]", "[jaccl]", "[mpi]", "[nccl]"))
+
+
 def fix_seed(seq: Sequence) -> None:
     """A sampled request without a seed gets one now, on rank 0, so that every rank draws the same tokens."""
     import os

@@ -37,7 +37,7 @@ from typing import Callable, TypeVar
 from cluster.engine import model_thread
 from cluster.engine.batch import DecodeBatch
 from cluster.engine.events import TERMINAL, Event, Failed
-from cluster.engine.lockstep import STOP, Lockstep, Rebuild, cancelled, describe, fix_seed, rebuilt
+from cluster.engine.lockstep import STOP, Lockstep, Rebuild, cancelled, describe, fix_seed, group_lost, rebuilt
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class Scheduler:
         self.lockstep: Lockstep | None = None
         self._rebuild: Rebuild | None = None
         self._turn_items: list[dict] = []
+        self.broken = ""  # why a sharded model's ranks can no longer run in lockstep (then every request gets a 503)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -220,11 +221,22 @@ class Scheduler:
                     self._drain(block=True, timeout_s=IDLE_POLL_S)
                 else:
                     self._drain(block=not self._jobs)
+                if self.broken:
+                    self._turn_items = []
+                    self._break(RuntimeError("the group was lost before"))  # refuses what arrived since
+                    continue
                 if self.lockstep is not None:
                     if not (self._turn_items or self._jobs):
                         continue  # nothing to run: the followers wait for the next turn
-                    self.lockstep.share(self._turn_items)
-                    self._turn_items = []
+                    try:
+                        self.lockstep.share(self._turn_items)
+                    except RuntimeError as e:  # a follower is gone: nothing can run in lockstep any more
+                        if not group_lost(e):
+                            raise
+                        self._break(e)
+                        continue
+                    finally:
+                        self._turn_items = []
             if self.batching:
                 self._turn_batched()
             else:
@@ -233,7 +245,7 @@ class Scheduler:
             self.steps += 1
             if self.steps % 256 == 0:
                 mx.clear_cache()
-        if self.lockstep is not None and self.lockstep.leads:
+        if self.lockstep is not None and self.lockstep.leads and not self.broken:
             self.lockstep.share([{STOP: True}])  # the followers end with their leader
         for job in list(self._jobs.values()):
             job.seq.close()
@@ -352,6 +364,9 @@ class Scheduler:
         return job if job is not None and job.seq is seq else None
 
     def _fail(self, job: Job, e: Exception) -> None:
+        if self.lockstep is not None and group_lost(e):
+            self._break(e)
+            return
         log.error("request %s failed", job.request_id, exc_info=e)
         try:
             job.seq.close()
@@ -359,6 +374,23 @@ class Scheduler:
             log.exception("closing request %s failed", job.request_id)
         job.emit([Failed(f"generation failed: {type(e).__name__}: {e}", status=500)])
         self._forget(job)
+
+    def _break(self, e: Exception) -> None:
+        """A rank of the sharded model is gone: the ranks can no longer run the same turns. Every request fails
+        with a retryable 503 from now on (the replica's health check fails too, and Serve replaces it whole)."""
+        self.broken = self.broken or f"a rank of this sharded replica was lost ({e}); it is being replaced, retry shortly"
+        log.error("%s", self.broken)
+        for job in list(self._jobs.values()):
+            try:
+                job.seq.close()
+            except Exception:
+                log.exception("closing request %s failed", job.request_id)
+            job.emit([Failed(self.broken, status=503)])
+            self._forget(job)
+        self._waiting.clear(), self._prefilling.clear(), self._ready.clear()
+        self._batch = None
+        if not self.lockstep.leads:
+            self._stopping = True  # a follower has nothing left to follow
 
     def _forget(self, job: Job) -> None:
         self._jobs.pop(job.request_id, None)
@@ -375,7 +407,14 @@ class Scheduler:
 
     def _follow(self) -> bool:
         """A follower's turn: take rank 0's items and apply them as rank 0 did; False when rank 0 stopped."""
-        for item in self.lockstep.share(None):
+        try:
+            items = self.lockstep.share(None)
+        except RuntimeError as e:  # rank 0 is gone
+            if not group_lost(e):
+                raise
+            self._break(e)
+            return False
+        for item in items:
             if STOP in item:
                 self._stopping = True
                 return False

@@ -25,6 +25,10 @@ def render(status: dict) -> str:
                      f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)} "
                      f"backend={r.get('backend') or '-'} (since it started {_age(r)} ago)")
         lines.append("      " + _batch_line(r))
+        if r.get("shards"):
+            sh = r["shards"]
+            lines.append(f"      shards: {sh['size']} ({sh['mode']} parallel) over "
+                         + ", ".join(f"rank {i} {n['node_id']}" for i, n in enumerate(sh["nodes"])))
         lines.append("      " + _cache_line(r.get("cache", {})))
         if (r.get("cache") or {}).get("enabled"):
             lines.append("      " + _hot_path_line(r["cache"]))

@@ -35,6 +35,15 @@ def test_the_batching_line_says_how_a_deterministic_replica_keeps_batched_rows_s
     assert "deterministic" not in render(status(replica(batching={**replica()["batching"], "deterministic": "off"})))
 
 
+def test_a_sharded_replica_names_every_rank_and_its_node():
+    sharded = replica(shards={"size": 2, "mode": "tensor", "nodes": [{"node_id": "node-0-1a2b3c4d", "node_name": "a"},
+                                                                     {"node_id": "node-1-5e6f7a8b", "node_name": "b"}]})
+    lines = render(status(sharded)).splitlines()
+    assert lines[lines.index("replicas:") + 3] == \
+        "      shards: 2 (tensor parallel) over rank 0 node-0-1a2b3c4d, rank 1 node-1-5e6f7a8b"
+    assert "shards:" not in render(status(replica(shards=None)))
+
+
 def test_replica_ages_read_in_seconds_minutes_or_hours():
     lines = [render(status(replica(renewed=1000.0 + s))).splitlines() for s in (42, 3600 * 2 + 420)]
     ages = [ls[ls.index("replicas:") + 1].rsplit("(", 1)[1] for ls in lines]

@@ -1,0 +1,165 @@
+"""The other ranks of a sharded replica: one Ray actor per extra node, each with its own model thread.
+
+A replica with `shards: N` is a Serve replica (rank 0, the one the router and the gateway talk to) in
+bundle 0 of its placement group (one bundle per node, STRICT_SPREAD: app.py), plus N-1 `ShardRank`
+actors, one in each other bundle. Rank 0 starts them (`start_ranks`):
+
+1. each rank names its own `ip:port` (a free port on its node, as the fleet picks ports);
+2. rank 0 writes the hostfile and every rank, itself included, joins MLX's group at once
+   (engine/sharding.py), loads the model and keeps its part;
+3. the followers then run rank 0's turns (engine/lockstep.py) until rank 0 stops.
+
+The actors are rank 0's children: they die with it, and Serve replaces the replica whole. A follower
+that dies breaks the group's connections: rank 0's next forward fails ("connection to a peer was lost"),
+its requests get the in-band error, and its health check fails so Serve replaces it whole as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import ray
+
+from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec
+from cluster.node import current_node
+
+log = logging.getLogger(__name__)
+
+RANK_RESOURCE_SHARE = 0.001
+START_TIMEOUT_S = 600.0
+
+
+def node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def rank_address() -> str:
+    """This node's `ip:port` for MLX's ring (a port free now on this node's address)."""
+    from cluster.fleet.ports import free_port
+
+    ip = node_ip()
+    return f"{ip}:{free_port(ip)}"
+
+
+class ShardRank:
+    """Rank r > 0 of a sharded replica: the model's part on this node, following rank 0's turns."""
+
+    def __init__(self, spec: ModelSpec, app: AppConfig, rank: int):
+        from cluster.engine.scheduler import Scheduler
+
+        self.spec, self.app, self.rank = spec, app, rank
+        self.node = current_node(app.data_dir)
+        self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}-rank{rank}", batching=spec.batching,
+                                   decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
+                                   prefill_concurrency=spec.prefill_concurrency)
+
+    def address(self) -> str:
+        return rank_address()
+
+    def start(self, addresses: list[str]) -> dict:
+        """Join the group, load and shard the model, then follow rank 0 (returns once following)."""
+        from cluster.engine.lockstep import Lockstep
+
+        t0 = time.monotonic()
+        group, rebuild = self.scheduler.run(lambda: load_rank(self.spec, self.app, self.node.data_dir,
+                                                              self.rank, addresses))
+        self.scheduler.join(Lockstep(group), rebuild)
+        log.info("rank %d of %s ready on node %s in %.1f s", self.rank, self.spec.name, self.node.node_id,
+                 time.monotonic() - t0)
+        return {"rank": self.rank, "node_id": self.node.node_id, "node_name": self.node.name}
+
+    def alive(self) -> bool:
+        return self.scheduler.alive
+
+
+def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str]):
+    """A follower's model thread: its group, its part of the model, and how it rebuilds rank 0's requests."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from cluster.engine.cold_session import ColdSession
+    from cluster.engine.constraints import Grammars
+    from cluster.engine.schedule import Schedule
+    from cluster.engine.sequence import Sequence
+    from cluster.engine.sharding import hostfile, init_group, shard
+    from cluster.models.resolve import resolve_model
+
+    group = init_group(rank, hostfile(addresses, Path(node_dir)))
+    model, tokenizer = load(str(resolve_model(spec.source, Path(app.data_dir).expanduser())), lazy=True)
+    shard(model, group, spec.shard_mode)
+    schedule = Schedule.of(app.cache.resume_at, app.cache.block_tokens, spec.prefill_step_tokens)
+    grammars = Grammars(tokenizer._tokenizer)
+
+    def rebuild(prompt, params, prefill_step):
+        seq = Sequence(prompt, params, model, tokenizer, ColdSession(model, lambda: make_prompt_cache(model), schedule),
+                       prefill_step, grammars)
+        seq.compile_grammar()
+        return seq
+    return group, rebuild
+
+
+def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[str]]:
+    """Rank 0's side: the follower actors in this replica's placement group and every rank's address.
+
+    Returns (actors, addresses in rank order, rank 0's first)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.get_current_placement_group()
+    if pg is None:
+        raise RuntimeError(f"{spec.name}: shards: {spec.shards} needs the replica's placement group (app.py)")
+    remote = ray.remote(ShardRank)
+    actors = [remote.options(
+        num_cpus=0, resources={NODE_RESOURCE: RANK_RESOURCE_SHARE},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        name=None).remote(spec, app, r) for r in range(1, spec.shards)]
+    addresses = [rank_address()] + ray.get([a.address.remote() for a in actors], timeout=START_TIMEOUT_S)
+    return actors, addresses
+
+
+class ShardGroup:
+    """Rank 0's side of a sharded replica: its followers, every rank's address, and the group once joined."""
+
+    def __init__(self, spec: ModelSpec, app: AppConfig, model_dir: Path):
+        from cluster.engine.sharding import check_shardable
+        from cluster.models.resolve import read_config
+
+        config = read_config(model_dir)
+        check_shardable(config.get("model_type", "?"), spec.shard_mode, spec.shards, config)
+        self.spec = spec
+        self.actors, self.addresses = start_ranks(spec, app)
+        self._starts = [a.start.remote(self.addresses) for a in self.actors]  # they join as rank 0 does
+        self.group = None
+        self.ranks: list[dict] = []
+
+    def load(self, model_dir: Path, node_dir: Path):
+        """Rank 0's model thread: join the group, load the model lazily and keep rank 0's part."""
+        from mlx_lm import load
+
+        from cluster.engine.sharding import hostfile, init_group, shard
+
+        self.group = init_group(0, hostfile(self.addresses, Path(node_dir)))
+        model, tokenizer = load(str(model_dir), lazy=True)
+        shard(model, self.group, self.spec.shard_mode)
+        return model, tokenizer
+
+    def lead(self, scheduler) -> None:
+        """Once every follower is following: rank 0's scheduler leads the turns from now on."""
+        from cluster.engine.lockstep import Lockstep
+
+        self.ranks = ray.get(self._starts, timeout=START_TIMEOUT_S)
+        scheduler.join(Lockstep(self.group))
+
+    async def check(self, timeout_s: float = 10.0) -> None:
+        """Raise unless every follower answers and its model thread lives (Serve then replaces the replica)."""
+        import asyncio
+
+        alive = await asyncio.wait_for(asyncio.gather(*(a.alive.remote() for a in self.actors)), timeout_s)
+        dead = [r["rank"] for r, ok in zip(self.ranks, alive) if not ok]
+        if dead:
+            raise RuntimeError(f"rank(s) {dead} of {self.spec.name} lost their model thread")
+
+    def stats(self, node: dict) -> dict:
+        return {"size": self.spec.shards, "mode": self.spec.shard_mode,
+                "nodes": [node] + [{"node_id": r["node_id"], "node_name": r["node_name"]} for r in self.ranks]}
