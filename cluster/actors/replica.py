@@ -27,6 +27,7 @@ from cluster.engine.constraints import Grammars
 from cluster.engine.events import TERMINAL, Accepted, Event, Failed, Finished, Started
 from cluster.actors.plan import GenerateRequest
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.sharded_scheduler import ShardedScheduler
 from cluster.engine.sequence import Sequence
 from cluster.kvcache.admission import Admission
 from cluster.kvcache.index_publisher import IndexPublisher
@@ -55,9 +56,10 @@ class ModelReplica:
         self.node = current_node(app.data_dir)
         self.started = time.time()
         link = self._disk_link(app) if spec.shards == 1 else None
-        self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}", batching=spec.batching,
-                                   decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
-                                   prefill_concurrency=spec.prefill_concurrency)
+        self.scheduler = (ShardedScheduler if spec.shards > 1 else Scheduler)(
+            name=f"mlx-fleet-{spec.name}", batching=spec.batching,
+            decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
+            prefill_concurrency=spec.prefill_concurrency)
         self.shards = None  # a sharded replica's other ranks (shard_rank.py)
         if spec.shards > 1:
             from cluster.actors.shard_rank import ShardGroup

@@ -47,11 +47,11 @@ class ShardRank:
     """Rank r > 0 of a sharded replica: the model's part on this node, following rank 0's turns."""
 
     def __init__(self, spec: ModelSpec, app: AppConfig, rank: int):
-        from cluster.engine.scheduler import Scheduler
+        from cluster.engine.sharded_scheduler import ShardedScheduler
 
         self.spec, self.app, self.rank = spec, app, rank
         self.node = current_node(app.data_dir)
-        self.scheduler = Scheduler(name=f"mlx-fleet-{spec.name}-rank{rank}", batching=spec.batching,
+        self.scheduler = ShardedScheduler(name=f"mlx-fleet-{spec.name}-rank{rank}", batching=spec.batching,
                                    decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
                                    prefill_concurrency=spec.prefill_concurrency)
 

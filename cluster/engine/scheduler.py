@@ -37,7 +37,6 @@ from typing import Callable, TypeVar
 from cluster.engine import model_thread
 from cluster.engine.batch import DecodeBatch
 from cluster.engine.events import TERMINAL, Event, Failed
-from cluster.engine.lockstep import STOP, Lockstep, Rebuild, cancelled, describe, fix_seed, group_lost, rebuilt
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -85,12 +84,7 @@ class Scheduler:
         self.batched_rows = 0  # sum over batched steps of the rows in them (mean batch = rows / steps)
         self.prefill_tps: float = 0.0  # moving average of measured prefill throughput (0: not measured yet)
         self._idle: list[Callable[[], bool]] = []  # model-thread work for when no sequence is in flight
-        # A sharded model (lockstep.py): rank 0 shares each turn's new requests and cancellations; a follower
-        # rebuilds them (`rebuild`) and runs the same turns. Set by `join`, once the model is loaded.
-        self.lockstep: Lockstep | None = None
-        self._rebuild: Rebuild | None = None
-        self._turn_items: list[dict] = []
-        self.broken = ""  # why a sharded model's ranks can no longer run in lockstep (then every request gets a 503)
+        self.broken = ""  # why this scheduler can serve no more (a sharded model lost a rank: sharded_scheduler.py)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -187,16 +181,6 @@ class Scheduler:
         inbox has been empty for IDLE_POLL_S. A request that arrives waits for one call at most."""
         self.call(lambda: self._idle.append(fn))
 
-    def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None) -> None:
-        """From now on run in lockstep with the other ranks of a sharded model: rank 0 leads, the others follow
-        (they need `rebuild`) until rank 0 stops. Call it once the model is loaded, before any request."""
-        if not lockstep.leads and rebuild is None:
-            raise ValueError("a follower rank needs a way to rebuild rank 0's requests")
-
-        def set_() -> None:
-            self.lockstep, self._rebuild = lockstep, rebuild
-        self.run(set_)
-
     def stop(self) -> None:
         self._stopping = True
         self._inbox.put(("stop", "", None, None))
@@ -209,34 +193,23 @@ class Scheduler:
         finally:
             model_thread.release()
 
+    def _prepare_turn(self) -> bool:
+        """Take in what arrived; whether to run a turn now (a sharded model's ranks agree on it first)."""
+        if not self._jobs and self._idle_round():
+            self._drain(block=True, timeout_s=IDLE_POLL_S)
+        else:
+            self._drain(block=not self._jobs)
+        return True
+
+    def _after_turns(self) -> None:
+        """The loop has ended (a sharded model's followers are told here)."""
+
     def _run(self) -> None:
         import mlx.core as mx
 
         while not self._stopping:
-            if self.lockstep is not None and not self.lockstep.leads:
-                if not self._follow():
-                    break
-            else:
-                if not self._jobs and self._idle_round():
-                    self._drain(block=True, timeout_s=IDLE_POLL_S)
-                else:
-                    self._drain(block=not self._jobs)
-                if self.broken:
-                    self._turn_items = []
-                    self._break(RuntimeError("the group was lost before"))  # refuses what arrived since
-                    continue
-                if self.lockstep is not None:
-                    if not (self._turn_items or self._jobs):
-                        continue  # nothing to run: the followers wait for the next turn
-                    try:
-                        self.lockstep.share(self._turn_items)
-                    except RuntimeError as e:  # a follower is gone: nothing can run in lockstep any more
-                        if not group_lost(e):
-                            raise
-                        self._break(e)
-                        continue
-                    finally:
-                        self._turn_items = []
+            if not self._prepare_turn():
+                continue
             if self.batching:
                 self._turn_batched()
             else:
@@ -245,8 +218,7 @@ class Scheduler:
             self.steps += 1
             if self.steps % 256 == 0:
                 mx.clear_cache()
-        if self.lockstep is not None and self.lockstep.leads and not self.broken:
-            self.lockstep.share([{STOP: True}])  # the followers end with their leader
+        self._after_turns()
         for job in list(self._jobs.values()):
             job.seq.close()
             job.emit([Failed("replica is shutting down", status=503)])
@@ -364,9 +336,6 @@ class Scheduler:
         return job if job is not None and job.seq is seq else None
 
     def _fail(self, job: Job, e: Exception) -> None:
-        if self.lockstep is not None and group_lost(e):
-            self._break(e)
-            return
         log.error("request %s failed", job.request_id, exc_info=e)
         try:
             job.seq.close()
@@ -375,10 +344,10 @@ class Scheduler:
         job.emit([Failed(f"generation failed: {type(e).__name__}: {e}", status=500)])
         self._forget(job)
 
-    def _break(self, e: Exception) -> None:
-        """A rank of the sharded model is gone: the ranks can no longer run the same turns. Every request fails
-        with a retryable 503 from now on (the replica's health check fails too, and Serve replaces it whole)."""
-        self.broken = self.broken or f"a rank of this sharded replica was lost ({e}); it is being replaced, retry shortly"
+    def _break(self, why: str) -> None:
+        """Serve no more: every request fails with a retryable 503, now and from now on (the replica's health
+        check fails too, and Serve replaces it)."""
+        self.broken = self.broken or why
         log.error("%s", self.broken)
         for job in list(self._jobs.values()):
             try:
@@ -389,8 +358,6 @@ class Scheduler:
             self._forget(job)
         self._waiting.clear(), self._prefilling.clear(), self._ready.clear()
         self._batch = None
-        if not self.lockstep.leads:
-            self._stopping = True  # a follower has nothing left to follow
 
     def _forget(self, job: Job) -> None:
         self._jobs.pop(job.request_id, None)
@@ -404,25 +371,6 @@ class Scheduler:
         if tokens >= 16 and seconds > 0:  # a handful of tokens says more about overheads than throughput
             tps = tokens / seconds
             self.prefill_tps = tps if not self.prefill_tps else (1 - self.EMA) * self.prefill_tps + self.EMA * tps
-
-    def _follow(self) -> bool:
-        """A follower's turn: take rank 0's items and apply them as rank 0 did; False when rank 0 stopped."""
-        try:
-            items = self.lockstep.share(None)
-        except RuntimeError as e:  # rank 0 is gone
-            if not group_lost(e):
-                raise
-            self._break(e)
-            return False
-        for item in items:
-            if STOP in item:
-                self._stopping = True
-                return False
-            if "add" in item:
-                self._add(Job(item["add"], rebuilt(item, self._rebuild), lambda events: None))
-            else:
-                self._cancel(item["cancel"])
-        return True
 
     def _add(self, job: Job) -> None:
         self._jobs[job.request_id] = job
@@ -444,13 +392,8 @@ class Scheduler:
                 return
             block = False
             if kind == "add":
-                if self.lockstep is not None:
-                    fix_seed(obj.seq)
-                    self._turn_items.append(describe(request_id, obj.seq))
                 self._add(obj)
             elif kind == "cancel":
-                if self.lockstep is not None and request_id in self._jobs:
-                    self._turn_items.append(cancelled(request_id))
                 self._cancel(request_id)
             elif kind == "call":
                 try:

@@ -36,12 +36,12 @@ def main() -> int:
     from cluster.engine.lockstep import Lockstep
     from cluster.engine.request import GenerationParams, SamplingParams
     from cluster.engine.schedule import Schedule
-    from cluster.engine.scheduler import Scheduler
+    from cluster.engine.sharded_scheduler import ShardedScheduler
     from cluster.engine.sequence import Sequence
     from cluster.models.resolve import resolve_model
 
     schedule = Schedule.of("chunk", 32, 64)
-    scheduler = Scheduler(name=f"mlx-fleet-rank{rank}", decode_concurrency=16)
+    scheduler = ShardedScheduler(name=f"mlx-fleet-rank{rank}", decode_concurrency=16)
 
     def setup():
         group = mx.distributed.init(backend="ring", strict=True)

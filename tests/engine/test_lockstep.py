@@ -24,7 +24,7 @@ def run_ranks(name: str, data_dir: Path, tmp_path: Path) -> list[dict]:
                                str(data_dir), str(outs[r])], cwd=Path(__file__).parents[2])
              for r in range(2)]
     try:
-        codes = [p.wait(timeout=240) for p in procs]
+        codes = [p.wait(timeout=90) for p in procs]
     finally:
         for p in procs:
             p.kill()

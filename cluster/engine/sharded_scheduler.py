@@ -1,0 +1,104 @@
+"""The scheduler of one rank of a sharded model: its turns run in lockstep with the other ranks' (lockstep.py).
+
+Until `join`, it is a plain Scheduler (the model loads on its thread). Then:
+- rank 0 records what its inbox brings (each new request, with a sampled one's seed fixed first, and each
+  cancellation) and shares it before the turn that takes it in; a turn with nothing to run is not shared;
+- a follower takes each turn's items from rank 0, rebuilds the requests and runs the same turn;
+- a lost rank (MLX's backend says "connection to a peer was lost") breaks the replica: every request gets a
+  retryable 503 from then on, a follower stops, and rank 0's health check fails so Serve replaces it whole;
+- rank 0 stopping stops its followers.
+"""
+
+from __future__ import annotations
+
+from cluster.engine.lockstep import STOP, Lockstep, Rebuild, cancelled, describe, fix_seed, group_lost, rebuilt
+from cluster.engine.scheduler import Job, Scheduler
+
+
+class ShardedScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        self.lockstep: Lockstep | None = None  # before the base starts the model thread, which reads them
+        self._rebuild: Rebuild | None = None
+        self._turn_items: list[dict] = []
+        super().__init__(*args, **kwargs)
+
+    def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None) -> None:
+        """From now on run in lockstep with the other ranks: rank 0 leads, the others follow (they need `rebuild`)
+        until rank 0 stops. Call it once the model is loaded, before any request."""
+        if not lockstep.leads and rebuild is None:
+            raise ValueError("a follower rank needs a way to rebuild rank 0's requests")
+
+        def set_() -> None:
+            self.lockstep, self._rebuild = lockstep, rebuild
+        self.run(set_)
+
+    @property
+    def _leads(self) -> bool:
+        return self.lockstep is not None and self.lockstep.leads
+
+    def _add(self, job: Job) -> None:
+        if self._leads:
+            fix_seed(job.seq)
+            self._turn_items.append(describe(job.request_id, job.seq))
+        super()._add(job)
+
+    def _cancel(self, request_id: str) -> None:
+        if self._leads and request_id in self._jobs:
+            self._turn_items.append(cancelled(request_id))
+        super()._cancel(request_id)
+
+    def _prepare_turn(self) -> bool:
+        if self.lockstep is None:
+            return super()._prepare_turn()
+        if not self.lockstep.leads:
+            return self._follow()
+        super()._prepare_turn()
+        try:
+            if self.broken:  # refuse what arrived since
+                self._break(self.broken)
+                return False
+            if not (self._turn_items or self._jobs):
+                return False  # nothing to run: the followers wait for the next turn
+            self.lockstep.share(self._turn_items)
+            return True
+        except RuntimeError as e:  # a follower is gone
+            if not group_lost(e):
+                raise
+            self._lost(e)
+            return False
+        finally:
+            self._turn_items = []
+
+    def _follow(self) -> bool:
+        """A follower's turn: rank 0's items, applied as rank 0 applied them; False when there is no turn to run."""
+        try:
+            items = self.lockstep.share(None)
+        except RuntimeError as e:  # rank 0 is gone
+            if not group_lost(e):
+                raise
+            self._lost(e)
+            return False
+        for item in items:
+            if STOP in item:
+                self._stopping = True
+                return False
+            if "add" in item:
+                super()._add(Job(item["add"], rebuilt(item, self._rebuild), lambda events: None))
+            else:
+                super()._cancel(item["cancel"])
+        return True
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        if self.lockstep is not None and group_lost(e):
+            self._lost(e)
+            return
+        super()._fail(job, e)
+
+    def _lost(self, e: Exception) -> None:
+        self._break(f"a rank of this sharded replica was lost ({e}); it is being replaced, retry shortly")
+        if not self.lockstep.leads:
+            self._stopping = True  # a follower has nothing left to follow
+
+    def _after_turns(self) -> None:
+        if self._leads and not self.broken:
+            self.lockstep.share([{STOP: True}])  # the followers end with their leader
