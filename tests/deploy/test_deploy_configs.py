@@ -18,6 +18,17 @@ def test_serve_yaml_args_are_a_valid_app_config():
     assert doc["http_options"]["host"] == "0.0.0.0"
 
 
+def test_the_sharded_example_spans_two_macs_per_replica():
+    from cluster.actors.app import placement
+
+    doc = yaml.safe_load((DEPLOY / "serve-sharded.yaml").read_text())
+    (app,) = doc["applications"]
+    [model] = AppConfig.model_validate(app["args"]).models
+    assert (model.shards, model.shard_mode) == (2, "tensor")
+    assert placement(model, nodes=4) == {"num_replicas": 2, "placement_group_bundles": [{"mlx_fleet": 0.6}] * 2,
+                                         "placement_group_strategy": "STRICT_SPREAD"}
+
+
 def test_serve_yaml_import_path_resolves():
     import importlib
 
