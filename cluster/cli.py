@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every replica (900)")
 
     bench = sub.add_parser("bench", help="benchmarks (see `mlx-fleet bench -h`)")
-    bench.add_argument("name", nargs="?", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch | gpu "
+    bench.add_argument("name", nargs="?", help="which benchmark: ttft | codec | blocksize | disk | lookup | routing | migrate | turboquant | batch | shard | gpu "
                                     "(`mlx-fleet bench <name> -h` for its options)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 

@@ -48,7 +48,7 @@ def redis_process(tmp_path_factory):
 
     import redis
 
-    from cluster.fleet.ports import free_port
+    from cluster.ports import free_port
     from cluster.fleet.redis_server import find_redis_server
 
     port = free_port()

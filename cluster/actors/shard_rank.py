@@ -37,7 +37,7 @@ def node_ip() -> str:
 
 def rank_address() -> str:
     """This node's `ip:port` for MLX's ring (a port free now on this node's address)."""
-    from cluster.fleet.ports import free_port
+    from cluster.ports import free_port
 
     ip = node_ip()
     return f"{ip}:{free_port(ip)}"

@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "batch": "cluster.bench.batch",
     "gpu": "cluster.bench.gpu",
     "agreement": "cluster.bench.agreement",
+    "shard": "cluster.bench.shard",
 }
 
 

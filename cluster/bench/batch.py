@@ -147,7 +147,7 @@ class MlxLmServer:
     """`python -m mlx_lm.server` on a loopback port, for the length of a `with`."""
 
     def __init__(self, model_path: Path, work: Path):
-        from cluster.fleet.ports import free_port
+        from cluster.ports import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

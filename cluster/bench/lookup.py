@@ -29,7 +29,7 @@ from cluster.actors.fleet_view import ReplicaInfo
 from cluster.actors.routing import choose, options
 from cluster.bench.common import parser, prompt_tokens, write_json
 from cluster.config import RoutingConfig
-from cluster.fleet.ports import free_port
+from cluster.ports import free_port
 from cluster.fleet.redis_server import find_redis_server
 from cluster.store.fleet_index import FleetIndex
 from cluster.store.hashing import chain_ids

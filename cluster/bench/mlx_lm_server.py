@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cluster.fleet.ports import free_port
+from cluster.ports import free_port
 
 START_TIMEOUT_S = 300.0
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 from cluster.config import AppConfig, FleetConfig
 from cluster.fleet import lock, processes, ray_env, ray_nodes, redis_server, supervisor, temp_dir
-from cluster.fleet.ports import bind_error, is_listening
+from cluster.ports import bind_error, is_listening
 from cluster.fleet.state import FleetState, clear_state, fleet_tag, load_state, ray_temp_dir, save_state
 from cluster.models.resolve import check_source, resolve_model
 

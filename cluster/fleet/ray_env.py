@@ -40,7 +40,7 @@ from pathlib import Path
 
 from cluster.actors.loopback import LOOPBACK_ENV
 from cluster.api import proxy_errors
-from cluster.fleet.ports import is_listening
+from cluster.ports import is_listening
 from cluster.fleet.processes import TAG_ENV
 from cluster.fleet.state import FleetState
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cluster.config import NODE_LABEL, NODE_RESOURCE, FleetConfig
 from cluster.fleet import processes
-from cluster.fleet.ports import free_port, port_is_free
+from cluster.ports import free_port, port_is_free
 from cluster.fleet.ray_env import head_address, head_env, token_path, worker_env
 from cluster.fleet.state import FleetState, NodeProcess, save_state
 from cluster.node import NODE_DATA_DIR_ENV, NODE_NAME_ENV

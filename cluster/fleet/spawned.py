@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from cluster.fleet import temp_dir
-from cluster.fleet.ports import free_port
+from cluster.ports import free_port
 from cluster.fleet.state import load_state
 
 

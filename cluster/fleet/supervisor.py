@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from cluster.fleet import redis_server
-from cluster.fleet.ports import free_port
+from cluster.ports import free_port
 from cluster.status import SUPERVISOR_FILE as STATE_FILE
 
 log = logging.getLogger("mlx-fleet.supervisor")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.fleet.ports import free_port
+from cluster.ports import free_port
 
 
 def run_ranks(name: str, data_dir: Path, tmp_path: Path) -> list[dict]:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cluster.fleet.ports import free_port
+from cluster.ports import free_port
 from cluster.fleet.ray_env import write_token
 from cluster.fleet.state import FleetState, fleet_tag, load_state, save_state
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cluster.fleet.ports import free_port
+from cluster.ports import free_port
 from cluster.fleet.processes import tagged
 from cluster.fleet.state import fleet_tag
 

@@ -156,7 +156,7 @@ def test_the_runner_compares_policies_on_fresh_fleets_and_stops_them(tmp_path):
 
 
 def test_the_runner_fails_when_no_request_completed(tmp_path):
-    from cluster.fleet.ports import free_port
+    from cluster.ports import free_port
 
     out = tmp_path / "run"
     r = loadtest("--attach", f"http://127.0.0.1:{free_port()}", "--users", "1", "--duration", "3s", "--out", str(out))

@@ -1,4 +1,4 @@
-"""Port checks for the processes a fleet binds."""
+"""Port checks for the processes a fleet binds, and for the ranks of a sharded replica."""
 
 from __future__ import annotations
 

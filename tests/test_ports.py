@@ -2,7 +2,7 @@
 
 import socket
 
-from cluster.fleet.ports import bind_error, free_port, is_listening
+from cluster.ports import bind_error, free_port, is_listening
 
 
 def test_listening_is_a_connect_not_a_bind():

@@ -1,0 +1,206 @@
+"""A 2-way sharded replica against the same model whole, in one run; and what the links between Macs would cost.
+
+    mlx-fleet bench shard [--model bench-qwen3-0.6b] [--prompt-tokens 256] [--max-tokens 16]
+                          [--concurrency 1 4] [--rounds 2] [--json out.json]
+
+1. Whole: the model in this process, one scheduler: TTFT of one prompt (prefill, then its first token) and
+   decode tokens/s with c requests at once (medians of --rounds).
+2. Sharded: two rank processes over MLX's ring backend on loopback (tensor parallel, engine/sharding.py),
+   in lockstep (engine/lockstep.py): rank 0 runs the same requests. Before it serves, both ranks time the
+   collectives a forward makes: two all_sums per layer of [rows, hidden] in the model's dtype; so the
+   report splits each decode step into communication and the rest.
+3. Macs: the bytes a decode step moves (2 x layers all_sums of rows x hidden), priced with a link's
+   bandwidth and per-collective latency: ring over 10 GbE and JACCL over Thunderbolt 5 by default (their
+   figures are options: what was reported, not measured here).
+
+On this 2-core box the two ranks share the two cores that the whole model has to itself, and loopback TCP
+is the link: sharding is expected to be slower here, and the report says by how much and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cluster.bench.common import environment, load, parser, write_json
+
+# Reported, not measured here: 10 GbE carries 1.25 GB/s and TCP ring collectives cost tens of microseconds;
+# JACCL over Thunderbolt 5 (macOS 26.2+) 50-60 Gbit/s with 5-9 us latency (docs/sharding.md).
+LINKS = {"ring over 10 GbE": (1.25e9, 50e-6), "JACCL over Thunderbolt 5": (6.5e9, 8e-6)}
+
+
+def prompts(n: int, tokens: int, salt: int) -> list[list[int]]:
+    return [[3 + (i * 7919 + (salt + j) * 104729) % 1000 for i in range(tokens)] for j in range(n)]
+
+
+def measure(scheduler, model, tok, a) -> dict:
+    """TTFT of one prompt and decode tokens/s at each concurrency, on `scheduler` (whole or rank 0)."""
+    from cluster.engine.cold_session import ColdSession
+    from cluster.engine.events import Finished
+    from cluster.engine.request import GenerationParams
+    from cluster.engine.schedule import Schedule
+    from cluster.engine.sequence import Sequence
+
+    schedule = Schedule.of("chunk", 64, 512)
+
+    def seqs(ps, n):
+        return [Sequence(p, GenerationParams(max_tokens=n), model, tok, ColdSession(model, schedule=schedule))
+                for p in ps]
+
+    def finished(events):
+        return [next(e for e in ev if isinstance(e, Finished)) for ev in events]
+
+    scheduler.run_all(seqs(prompts(1, 16, 0), 2))  # warm-up
+    ttft = [finished(scheduler.run_all(seqs(prompts(1, a.prompt_tokens, r), 1)))[0].timings["ttft_s"]
+            for r in range(a.rounds)]
+    decode = {}
+    for c in a.concurrency:
+        runs = []
+        for r in range(a.rounds):
+            t0 = time.perf_counter()
+            done = finished(scheduler.run_all(seqs(prompts(c, 32, 100 * c + r), a.max_tokens)))
+            wall = time.perf_counter() - t0
+            first = min(f.timings["ttft_s"] for f in done)
+            runs.append(sum(f.completion_tokens - 1 for f in done) / (wall - first))
+        decode[c] = {"decode_tokens_per_s": round(statistics.median(runs), 2), "rounds": [round(x, 2) for x in runs]}
+    return {"ttft_s": round(statistics.median(ttft), 4), "ttft_runs_s": [round(x, 4) for x in ttft], "decode": decode}
+
+
+def collectives(group, hidden: int, dtype, rows: list[int], iters: int = 30) -> dict:
+    """Seconds per all_sum of [rows, hidden] (every rank runs this, in the same order)."""
+    import mlx.core as mx
+
+    out = {}
+    for _ in range(20):  # the connections' first messages are slower than any later ones
+        mx.eval(mx.distributed.all_sum(mx.ones((1, hidden), dtype), group=group))
+    for r in rows:
+        x = mx.ones((r, hidden), dtype)
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            mx.eval(mx.distributed.all_sum(x, group=group))
+        out[r] = (time.perf_counter() - t0) / iters
+    return out
+
+
+def rank_main(a) -> int:
+    """One rank of the sharded run (a child process of the driver)."""
+    from mlx_lm import load as mlx_load
+
+    from cluster.engine.cold_session import ColdSession
+    from cluster.engine.lockstep import Lockstep
+    from cluster.engine.schedule import Schedule
+    from cluster.engine.sequence import Sequence
+    from cluster.engine.sharded_scheduler import ShardedScheduler
+    from cluster.engine.sharding import init_group, shard
+    from cluster.models.resolve import resolve_model
+
+    scheduler = ShardedScheduler(name=f"mlx-fleet-bench-rank{a.rank}", decode_concurrency=max(a.concurrency))
+
+    def setup():
+        group = init_group(a.rank, Path(a.hostfile))
+        model, tok = mlx_load(str(resolve_model(a.model, a.data_dir)), lazy=True)
+        shard(model, group)
+        args = model.args
+        comm = collectives(group, args.hidden_size, model.model.embed_tokens.weight.dtype, sorted({1, *a.concurrency}))
+        return group, model, tok, comm, args.num_hidden_layers
+
+    group, model, tok, comm, layers = scheduler.run(setup)
+    schedule = Schedule.of("chunk", 64, 512)
+
+    def rebuild(prompt, params, step):
+        return Sequence(prompt, params, model, tok, ColdSession(model, schedule=schedule), step)
+
+    scheduler.join(Lockstep(group), rebuild)
+    if a.rank == 0:
+        result = {"measured": measure(scheduler, model, tok, a), "collective_s": comm, "layers": layers}
+        scheduler.stop()
+        Path(a.out).write_text(json.dumps(result))
+    else:
+        while scheduler.alive:
+            time.sleep(0.05)
+    return 0
+
+
+def sharded(a) -> dict:
+    from cluster.ports import free_port
+
+    with tempfile.TemporaryDirectory(prefix="bench-shard-") as work:
+        hosts, out = Path(work) / "hosts.json", Path(work) / "rank0.json"
+        hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
+        argv = [sys.executable, "-m", "cluster.cli", "bench", "shard", "--data-dir", str(a.data_dir), "--model", a.model,
+                "--prompt-tokens", str(a.prompt_tokens), "--max-tokens", str(a.max_tokens), "--rounds", str(a.rounds),
+                "--concurrency", *map(str, a.concurrency), "--hostfile", str(hosts), "--out", str(out)]
+        procs = [subprocess.Popen([*argv, "--rank", str(r)], stderr=subprocess.DEVNULL if r else None) for r in range(2)]
+        codes = [p.wait(timeout=3600) for p in procs]
+        if codes[0] != 0:
+            raise RuntimeError(f"rank 0 of the sharded run failed ({codes})")
+        return json.loads(out.read_text())
+
+
+def estimates(layers: int, hidden: int, itemsize: int, rows: list[int]) -> dict:
+    """Communication per decode step on Mac links: 2 all_sums a layer of rows x hidden, two ranks."""
+    out = {}
+    for name, (bandwidth, latency) in LINKS.items():
+        out[name] = {r: round(1e3 * 2 * layers * (2 * latency + r * hidden * itemsize / bandwidth), 3) for r in rows}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = parser(__doc__.splitlines()[0], __name__)
+    p.add_argument("--model", default="bench-qwen3-0.6b", help="a built-in model (its family needs mlx-lm's shard)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="the TTFT prompt's tokens")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens each decode request generates")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="decode requests at once")
+    p.add_argument("--rounds", type=int, default=2, help="runs of every figure; the median is reported")
+    for hidden in ("--rank", "--hostfile", "--out"):  # a rank process of the sharded run (set by the driver)
+        p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.rank is not None:
+        a.rank = int(a.rank)
+        code = rank_main(a)
+        sys.stdout.flush()
+        os._exit(code)  # MLX's ring backend aborts in its teardown at interpreter exit; the result is written
+    return driver(a)
+
+
+def driver(a) -> int:
+    from cluster.engine.scheduler import Scheduler
+
+    model, tok, _ = load(a.model, a.data_dir)
+    scheduler = Scheduler(name="mlx-fleet-bench", decode_concurrency=max(a.concurrency))
+    try:
+        whole = measure(scheduler, model, tok, a)
+    finally:
+        scheduler.stop()
+    args = model.args
+    itemsize = model.model.embed_tokens.weight.dtype.size
+    del model
+    split = sharded(a)
+    ours, comm, layers = split["measured"], split["collective_s"], split["layers"]
+    rows = {"model": a.model, "whole": whole, "sharded": ours, "ttft_sharded_vs_whole": round(ours["ttft_s"] / whole["ttft_s"], 2),
+            "decode": {}, "mac_links_ms_per_step": estimates(layers, args.hidden_size, itemsize, a.concurrency)}
+    print(f"{a.model}: TTFT of {a.prompt_tokens} tokens whole {whole['ttft_s']:.3f} s, sharded over 2 {ours['ttft_s']:.3f} s "
+          f"({rows['ttft_sharded_vs_whole']}x)")
+    for c in a.concurrency:
+        w, s = whole["decode"][c]["decode_tokens_per_s"], ours["decode"][str(c)]["decode_tokens_per_s"]
+        step_s = c / s
+        comm_s = 2 * layers * comm[str(c)]
+        rows["decode"][c] = {"whole": w, "sharded": s, "sharded_vs_whole": round(s / w, 2),
+                             "step_ms": round(1e3 * step_s, 2), "communication_ms": round(1e3 * comm_s, 2),
+                             "communication_share": round(comm_s / step_s, 3)}
+        r = rows["decode"][c]
+        print(f"  c={c}: decode {w} tok/s whole, {s} sharded ({r['sharded_vs_whole']}x); a sharded step {r['step_ms']} ms, "
+              f"of which the collectives {r['communication_ms']} ms ({r['communication_share']:.0%})")
+    for name, per in rows["mac_links_ms_per_step"].items():
+        print(f"  {name} (reported figures): " + ", ".join(f"c={c}: {ms} ms of collectives per decode step"
+                                                          for c, ms in per.items()))
+    write_json(a.json, "shard", {**rows, "environment": environment()})
+    return 0
