@@ -277,7 +277,8 @@ class ModelReplica:
             "pid": os.getpid(),
             "started": self.started,
             "renewed": time.time(),
-            "healthy": self.scheduler.alive,
+            "healthy": self.scheduler.alive and not self.scheduler.broken,
+            "broken": self.scheduler.broken or None,  # why it serves no more (a sharded replica lost a rank)
             "backend": getattr(self, "backend", None),
             "prefill_tps": round(self.scheduler.prefill_tps, 1),
             "streams": self.streams,

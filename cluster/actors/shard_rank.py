@@ -10,8 +10,11 @@ actors, one in each other bundle. Rank 0 starts them (`start_ranks`):
 3. the followers then run rank 0's turns (engine/lockstep.py) until rank 0 stops.
 
 The actors are rank 0's children: they die with it, and Serve replaces the replica whole. A follower
-that dies breaks the group's connections: rank 0's next forward fails ("connection to a peer was lost"),
-its requests get the in-band error, and its health check fails so Serve replaces it whole as well.
+that dies is seen two ways: a collective in progress fails ("connection to a peer was lost"), and rank 0's
+watch on each follower's `until_stopped` call ends at once (Ray fails a dead actor's pending calls). The
+watch matters: MLX's ring can wait forever in a collective whose peer died before it began (seen in 1 of
+7 kills on this box), so rank 0 fails its requests from the watch's thread without waiting on the model
+thread (ShardedScheduler.abandon); its health check then fails and Serve replaces it whole.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ class ShardRank:
     def alive(self) -> bool:
         return self.scheduler.alive
 
+    def until_stopped(self) -> None:
+        """Return when this rank's model thread ends (rank 0's watch: a dead actor fails this call at once)."""
+        self.scheduler.wait_stopped()
+
 
 def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str]):
     """A follower's model thread: its group, its part of the model, and how it rebuilds rank 0's requests."""
@@ -113,6 +120,7 @@ def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[str]]:
     actors = [remote.options(
         num_cpus=0, resources={NODE_RESOURCE: RANK_RESOURCE_SHARE},
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        max_concurrency=4,  # `until_stopped` waits for the whole life of the rank, beside `start` and `alive`
         name=None).remote(spec, app, r) for r in range(1, spec.shards)]
     addresses = [rank_address()] + ray.get([a.address.remote() for a in actors], timeout=START_TIMEOUT_S)
     return actors, addresses
@@ -150,6 +158,26 @@ class ShardGroup:
 
         self.ranks = ray.get(self._starts, timeout=START_TIMEOUT_S)
         scheduler.join(Lockstep(self.group))
+        self._watch(scheduler)
+
+    def _watch(self, scheduler) -> None:
+        """A thread (no MLX work) that abandons rank 0's scheduler the moment a follower ends while it serves."""
+        import threading
+
+        waits = {a.until_stopped.remote(): r for a, r in zip(self.actors, self.ranks)}
+
+        def watch() -> None:
+            [ended], _ = ray.wait(list(waits), num_returns=1)
+            try:
+                ray.get(ended)
+                how = "its model thread stopped"
+            except Exception as e:  # the actor died: its process was killed, or its node went away
+                how = f"{type(e).__name__}"
+            if not scheduler.stopping:
+                rank = waits[ended]
+                scheduler.abandon(f"rank {rank['rank']} of this sharded replica (node {rank['node_id']}) was lost "
+                                  f"({how}); it is being replaced, retry shortly")
+        threading.Thread(target=watch, name=f"mlx-fleet-{self.spec.name}-watch", daemon=True).start()
 
     async def check(self, timeout_s: float = 10.0) -> None:
         """Raise unless every follower answers and its model thread lives (Serve then replaces the replica)."""

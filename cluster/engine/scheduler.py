@@ -93,6 +93,15 @@ class Scheduler:
         return self._thread.is_alive()
 
     @property
+    def stopping(self) -> bool:
+        """Whether `stop` was called (or a follower rank's leader stopped it)."""
+        return self._stopping
+
+    def wait_stopped(self) -> None:
+        """Block until the model thread has ended."""
+        self._thread.join()
+
+    @property
     def active(self) -> int:
         return len(self._jobs)
 

@@ -6,13 +6,21 @@ Until `join`, it is a plain Scheduler (the model loads on its thread). Then:
 - a follower takes each turn's items from rank 0, rebuilds the requests and runs the same turn;
 - a lost rank (MLX's backend says "connection to a peer was lost") breaks the replica: every request gets a
   retryable 503 from then on, a follower stops, and rank 0's health check fails so Serve replaces it whole;
-- rank 0 stopping stops its followers.
+- rank 0 stopping stops its followers;
+- a rank found dead from outside (rank 0's watch on its followers' actors: shard_rank.py) `abandon`s the
+  replica from that thread: MLX's ring can wait forever in a collective whose peer died before it began,
+  and no collective can be interrupted, so the requests are failed without the model thread, which is
+  left stuck until Serve replaces the replica (its followers die with it, as Ray's children).
 """
 
 from __future__ import annotations
 
+import threading
+
+from cluster.engine.events import TERMINAL, Event, Failed
 from cluster.engine.lockstep import STOP, Lockstep, Rebuild, cancelled, describe, fix_seed, group_lost, rebuilt
-from cluster.engine.scheduler import Job, Scheduler
+from cluster.engine.scheduler import Emit, Job, Scheduler
+from cluster.engine.sequence import Sequence
 
 
 class ShardedScheduler(Scheduler):
@@ -20,7 +28,37 @@ class ShardedScheduler(Scheduler):
         self.lockstep: Lockstep | None = None  # before the base starts the model thread, which reads them
         self._rebuild: Rebuild | None = None
         self._turn_items: list[dict] = []
+        self._open: dict[str, Emit] = {}  # each request not yet ended, and where its events go
+        self._open_lock = threading.Lock()
+        self.abandoned = False
         super().__init__(*args, **kwargs)
+
+    def submit(self, request_id: str, seq: Sequence, emit: Emit, origin: str = "") -> None:
+        with self._open_lock:
+            if self.abandoned:
+                emit([Failed(self.broken, status=503)])
+                return
+            self._open[request_id] = emit
+        super().submit(request_id, seq, lambda events: self._emit(request_id, events), origin)
+
+    def _emit(self, request_id: str, events: list[Event]) -> None:
+        with self._open_lock:  # after `abandon` a request has ended: what its turns still make goes nowhere
+            emit = self._open.get(request_id)
+            if emit is None:
+                return
+            if any(isinstance(e, TERMINAL) for e in events):
+                del self._open[request_id]
+            emit(events)
+
+    def abandon(self, why: str) -> None:
+        """From any thread: fail every open request and every later one with a retryable 503, and break the
+        replica (its health check fails), without the model thread, which may be stuck in a collective."""
+        with self._open_lock:
+            self.broken = self.broken or why
+            self.abandoned = True
+            open_, self._open = self._open, {}
+            for emit in open_.values():
+                emit([Failed(self.broken, status=503)])
 
     def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None) -> None:
         """From now on run in lockstep with the other ranks: rank 0 leads, the others follow (they need `rebuild`)

@@ -25,6 +25,8 @@ def render(status: dict) -> str:
                      f"reuse={reuse:<5} completion={r.get('completion_tokens', 0)} "
                      f"backend={r.get('backend') or '-'} (since it started {_age(r)} ago)")
         lines.append("      " + _batch_line(r))
+        if r.get("broken"):
+            lines.append(f"      BROKEN: {r['broken']}")
         if r.get("shards"):
             sh = r["shards"]
             lines.append(f"      shards: {sh['size']} ({sh['mode']} parallel) over "

@@ -67,21 +67,13 @@ def test_greedy_answers_are_the_whole_models(fleet, whole):
     assert max(gaps) <= 1e-4, max(gaps)
 
 
-def test_a_killed_rank_fails_its_requests_at_once_and_the_replica_comes_back_whole(fleet):
-    """kill -9 of rank 1 under load: the request in flight ends with an error at once (no hang), later ones get
-    a retryable 503 until Serve has replaced the replica, and then the fleet answers again, from both nodes."""
-    [rank1] = [p for p in fleet.processes() if p.name().startswith("ray::ShardRank")]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2000,
-                "temperature": 0.0}
-        in_flight = pool.submit(httpx.post, fleet.url + "/v1/chat/completions", json=body, timeout=60)
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        rank1.kill()
-        r = in_flight.result(timeout=60)
-        ended_after = time.monotonic() - t0
-    assert ended_after < 15, ended_after
-    assert r.status_code in (500, 503) or r.json()["choices"][0]["finish_reason"] == "error", r.text
+def rank1(fleet):
+    [p] = [p for p in fleet.processes() if p.name().startswith("ray::ShardRank")]
+    return p
+
+
+def back_whole(fleet, killed) -> list[int]:
+    """Until the fleet answers again: every answer meanwhile is a retryable 503; the codes seen."""
     deadline, codes = time.monotonic() + 180, []
     while time.monotonic() < deadline:
         got = httpx.post(fleet.url + "/v1/chat/completions", timeout=60,
@@ -93,5 +85,39 @@ def test_a_killed_rank_fails_its_requests_at_once_and_the_replica_comes_back_who
         time.sleep(2)
     assert codes[-1] == 200, codes
     assert len(got.headers["x-fleet-node"].split(",")) == 2
-    [again] = [p for p in fleet.processes() if p.name().startswith("ray::ShardRank")]
-    assert again.pid != rank1.pid
+    assert rank1(fleet).pid != killed.pid
+    return codes
+
+
+def test_a_killed_rank_fails_its_requests_at_once_and_the_replica_comes_back_whole(fleet):
+    """kill -9 of rank 1 under load: the request in flight ends with an error at once (no hang), later ones get
+    a retryable 503 until Serve has replaced the replica, and then the fleet answers again, from both nodes."""
+    killed = rank1(fleet)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2000,
+                "temperature": 0.0}
+        in_flight = pool.submit(httpx.post, fleet.url + "/v1/chat/completions", json=body, timeout=60)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        killed.kill()
+        r = in_flight.result(timeout=60)
+        ended_after = time.monotonic() - t0
+    assert ended_after < 15, ended_after
+    assert r.status_code in (500, 503) or r.json()["choices"][0]["finish_reason"] == "error", r.text
+    back_whole(fleet, killed)
+
+
+def test_a_rank_killed_while_idle_fails_the_next_request_at_once(fleet):
+    """The collective that rank 0 would start for the next request could wait forever on the dead peer (MLX's
+    ring, sometimes): rank 0's watch on its followers has already failed the replica, so the request gets a
+    retryable 503 at once."""
+    killed = rank1(fleet)
+    killed.kill()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    r = httpx.post(fleet.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 4})
+    assert time.monotonic() - t0 < 10
+    assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text)
+    assert "was lost" in r.json()["error"]["message"], r.text
+    back_whole(fleet, killed)

@@ -90,3 +90,10 @@ def test_the_hot_path_line_says_what_ram_holds_and_what_was_chosen():
     assert lines[lines.index("replicas:") + 4] == (
         "      ram holds device arrays, tails stored 3 hit 2, chose restore 5 recompute 1 (prefill 23000.5 tok/s, "
         "ram 810.2 GB/s, disk 2.1 GB/s, to the device 1.4 GB/s), spill backlog 4 blocks 6.0 MiB")
+
+
+def test_a_broken_replica_says_why_it_serves_no_more():
+    why = "rank 1 of this sharded replica (node node-1-5e6f7a8b) was lost (ActorDiedError); it is being replaced"
+    lines = render(status(replica(broken=why))).splitlines()
+    assert lines[lines.index("replicas:") + 3] == f"      BROKEN: {why}"
+    assert "BROKEN" not in render(status(replica(broken=None)))
