@@ -17,6 +17,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from cluster import metrics
 from cluster.actors import loopback, node_store
@@ -71,16 +72,22 @@ class ModelReplica:
             self.shards.lead(self.scheduler)
         self.grammars = Grammars(self.tokenizer._tokenizer)  # its llguidance tokenizer is built on first use
         self.ray_node_id = _ray_node_id()
-        self.admission = self.peers = self.publisher = None
+        self.admission = self.peers = self.publisher = self.shard_restore = None
         if self.cache.cache is not None:
             self.cache.cache.costs.prefill_tps = lambda: self.scheduler.prefill_tps  # restore or recompute
             self._seed_speeds()
             if self.cache.cache.device:  # spills wait for the model thread to be idle (PrefixCache.spill_idle)
                 self.cache.cache.spill_when_idle = True
                 self.scheduler.when_idle(self.cache.cache.spill_idle)
-            self.peers = PeerClient(self.cache.cache.namespace)
+            # A sharded replica's ranks keep their blocks in RAM, each its own heads, and restore the same
+            # tokens or none (kvcache/shard_restore.py); no disk, no index, no pulls from peers yet.
+            self.peers = PeerClient(self.cache.cache.namespace) if self.shards is None else None
             self.admission = Admission(self.cache.cache, ThreadPoolExecutor(ADMISSION_THREADS, "mlx-fleet-admit"),
                                        app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)
+            if self.shards is not None:
+                from cluster.kvcache.shard_restore import ShardRestore
+
+                self.shard_restore = ShardRestore(self.admission, self.shards.group)
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "cancelled": 0, "prompt_tokens": 0,
                          "cached_tokens": 0, "fetched_tokens": 0, "completion_tokens": 0}
         self.streams = 0  # requests streaming from this replica now (its event loop only)
@@ -88,7 +95,7 @@ class ModelReplica:
         if app.redis_url:
             self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats,
                                      app.redis, node_name=self.node.name)
-            if self.cache.cache is not None:
+            if self.cache.cache is not None and self.shards is None:
                 self.publisher = self._publish(app)
         self.exporter = metrics.StatsExporter()
         self.metrics_loop = metrics.Every(self._every_period, METRICS_PERIOD_S, "mlx-fleet-metrics")
@@ -146,15 +153,13 @@ class ModelReplica:
         memory = configure_memory()
         self.backend = backend()  # what status shows; the fingerprint pins it too
         path = resolve_model(self.spec.source, Path(app.data_dir).expanduser())
-        if self.shards is not None:
-            from cluster.kvcache.setup import CacheSetup
-
+        if self.shards is not None:  # the followers load theirs, and probe their caches, in step with this
             model, tokenizer = self.shards.load(path, self.node.data_dir)
-            cache = CacheSetup(None, None, f"a replica sharded over {self.spec.shards} nodes keeps no prefix cache yet")
         else:
             model, tokenizer = load(str(path))
-            cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
-                                prefill_step=self.spec.prefill_step_tokens)
+        cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
+                            prefill_step=self.spec.prefill_step_tokens,
+                            shard=self.shards.geometry(0) if self.shards is not None else None)
         if cache.cache is not None and cache.cache.device:
             from mlx.utils import tree_flatten
 
@@ -253,7 +258,7 @@ class ModelReplica:
         if self.admission is None:
             return ColdSession(self.model, self.new_caches, self.schedule)
         prefetch = await self.admission.fetch_async(prompt, pull)
-        return BlockSession(self.cache.cache, prompt, prefetch)
+        return BlockSession(self.cache.cache, prompt, prefetch, self.shard_restore)
 
     def _count(self, events: list[Event]) -> None:
         for e in events:
@@ -298,9 +303,12 @@ class ModelReplica:
                 "recurrent": pc.layout.has_recurrent, "boundary_only": pc.planner.boundary_only,
                 "resume_every": pc.schedule.resume_every,
                 "admission_timeouts": self.admission.timeouts, "migration": self.migration_stats(),
-                "index": self.publisher.counters if self.publisher else None, **pc.stats()}
+                "index": self.publisher.counters if self.publisher else None,
+                "shard_restore": self.shard_restore.stats() if self.shard_restore is not None else None, **pc.stats()}
 
-    def migration_stats(self) -> dict:
+    def migration_stats(self) -> Optional[dict]:
+        if self.peers is None:  # a sharded replica pulls no blocks from peers (yet)
+            return None
         return {**self.peers.counters, "link_bytes_per_s": {k: round(v) for k, v in self.peers.link_bps.items()}}
 
     def index_lease(self) -> dict:
@@ -311,7 +319,7 @@ class ModelReplica:
         return {"node_name": self.node.name, "ray_node_id": self.ray_node_id, "model": self.spec.name,
                 "prefill_tps": round(self.scheduler.prefill_tps, 1), **self.scheduler.load(),
                 "block_bytes": pc.block_bytes, "state_bytes": pc.shapes.state_bytes,
-                "link_bps": {k: round(v) for k, v in self.peers.link_bps.items()},
+                "link_bps": {k: round(v) for k, v in self.peers.link_bps.items()} if self.peers is not None else {},
                 "free_memory": psutil.virtual_memory().available,
                 "disk_blocks": len(pc.tiers.disk.on_disk) if pc.tiers.disk is not None else 0,
                 "disk_bytes": pc.tiers.disk.disk_bytes if pc.tiers.disk is not None else 0}

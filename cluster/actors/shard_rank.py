@@ -82,7 +82,9 @@ class ShardRank:
 
 
 def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str]):
-    """A follower's model thread: its group, its part of the model, and how it rebuilds rank 0's requests."""
+    """A follower's model thread: its group, its part of the model, its own prefix cache (RAM), and how it
+    rebuilds rank 0's requests. Each step runs at the same point as rank 0's (replica.py `_load`): the
+    cache's probes are forwards, whose collectives pair up with rank 0's."""
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -90,18 +92,30 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     from cluster.engine.constraints import Grammars
     from cluster.engine.schedule import Schedule
     from cluster.engine.sequence import Sequence
-    from cluster.engine.sharding import hostfile, init_group, shard
+    from cluster.engine.sharding import geometry, hostfile, init_group, shard
+    from cluster.kvcache.admission import Admission
+    from cluster.kvcache.session import BlockSession
+    from cluster.kvcache.setup import setup_cache
+    from cluster.kvcache.shard_restore import ShardRestore
     from cluster.models.resolve import resolve_model
 
     group = init_group(rank, hostfile(addresses, Path(node_dir)))
-    model, tokenizer = load(str(resolve_model(spec.source, Path(app.data_dir).expanduser())), lazy=True)
+    model_dir = resolve_model(spec.source, Path(app.data_dir).expanduser())
+    model, tokenizer = load(str(model_dir), lazy=True)
     shard(model, group, spec.shard_mode)
-    schedule = Schedule.of(app.cache.resume_at, app.cache.block_tokens, spec.prefill_step_tokens)
+    pc = setup_cache(model, tokenizer, model_dir, app.cache, node_dir, prefill_step=spec.prefill_step_tokens,
+                     shard=geometry(spec.shard_mode, spec.shards, rank)).cache
+    schedule = pc.schedule if pc is not None else \
+        Schedule.of(app.cache.resume_at, app.cache.block_tokens, spec.prefill_step_tokens)
+    new_caches = pc.new_caches if pc is not None else (lambda: make_prompt_cache(model))
+    restore = ShardRestore(Admission(pc), group) if pc is not None else None
     grammars = Grammars(tokenizer._tokenizer)
 
-    def rebuild(prompt, params, prefill_step):
-        seq = Sequence(prompt, params, model, tokenizer, ColdSession(model, lambda: make_prompt_cache(model), schedule),
-                       prefill_step, grammars)
+    def rebuild(prompt, params, prefill_step, cached):
+        if cached and pc is None:  # rank 0 has a cache and this rank none: they would part, so stop here
+            raise RuntimeError(f"rank {rank} of {spec.name} has no prefix cache but rank 0 restores from one")
+        session = BlockSession(pc, prompt, None, restore) if cached else ColdSession(model, new_caches, schedule)
+        seq = Sequence(prompt, params, model, tokenizer, session, prefill_step, grammars)
         seq.compile_grammar()
         return seq
     return group, rebuild
@@ -140,6 +154,11 @@ class ShardGroup:
         self._starts = [a.start.remote(self.addresses) for a in self.actors]  # they join as rank 0 does
         self.group = None
         self.ranks: list[dict] = []
+
+    def geometry(self, rank: int = 0) -> dict:
+        from cluster.engine.sharding import geometry
+
+        return geometry(self.spec.shard_mode, self.spec.shards, rank)
 
     def load(self, model_dir: Path, node_dir: Path):
         """Rank 0's model thread: join the group, load the model lazily and keep rank 0's part."""

@@ -17,6 +17,8 @@ class ColdSession:
     """`schedule`: the replica's (engine/schedule.py), so a bypassed cold run is cut as a cached one is; None
     cuts every `step` tokens from the start."""
 
+    uses_cache = False
+
     def __init__(self, model, make_caches=None, schedule: Optional[Schedule] = None):
         self.make_caches = make_caches or (lambda: make_prompt_cache(model))
         self.schedule = schedule

@@ -21,7 +21,8 @@ budgets, not clocks; greedy or seeded sampling on logits every rank holds whole)
 - Stopping is an item too: rank 0's scheduler stops, and its followers after it.
 
 What each rank restores from a prefix cache must be the same number of tokens, or the ranks' shapes
-part: a sharded replica serves cold for now (replica.py).
+part: a request says whether it uses the cache, and the ranks' sessions agree on what they restore
+(kvcache/shard_restore.py).
 """
 
 from __future__ import annotations
@@ -83,15 +84,17 @@ def fix_seed(seq: Sequence) -> None:
 def describe(request_id: str, seq: Sequence) -> dict:
     """A new request as plain data, for the followers."""
     return {"add": request_id, "prompt": seq.prompt, "params": params_to_wire(seq.params),
-            "prefill_step": seq.prefill_step}
+            "prefill_step": seq.prefill_step, "cached": bool(getattr(seq.session, "uses_cache", False))}
 
 
 def cancelled(request_id: str) -> dict:
     return {"cancel": request_id}
 
 
-Rebuild = Callable[[list[int], "object", int], Sequence]  # (prompt, params, prefill_step) -> a follower's Sequence
+# (prompt, params, prefill_step, cached) -> a follower's Sequence; `cached`: it restores from the cache
+Rebuild = Callable[[list[int], "object", int, bool], Sequence]
 
 
 def rebuilt(item: dict, rebuild: Rebuild) -> Sequence:
-    return rebuild(list(item["prompt"]), params_from_wire(item["params"]), int(item["prefill_step"]))
+    return rebuild(list(item["prompt"]), params_from_wire(item["params"]), int(item["prefill_step"]),
+                   bool(item.get("cached", False)))

@@ -95,3 +95,9 @@ def shard(model, group, mode: str = "tensor") -> None:
         raise UnshardableModel(f"shard_mode: {mode!r} is not offered yet; use shard_mode: tensor")
     model.shard(group)
     mx.eval(model.parameters())
+
+
+def geometry(mode: str, size: int, rank: int) -> dict:
+    """A rank's place in a sharded model, as its prefix cache's fingerprint names it: a rank's blocks hold its
+    own heads only, so they never restore into another rank, another split or the whole model."""
+    return {"mode": mode, "size": size, "rank": rank}

@@ -128,6 +128,43 @@ class Admission:
                     checkpoints.discard(j + 1)
         return Prefetch(ids=ids)
 
+    def restorable(self, prompt: list[int]) -> int:
+        """The most tokens of `prompt` this process's tiers could restore (its tail's, or its blocks' with a
+        checkpoint where needed), without reading any: a rank's offer when a sharded replica's ranks agree
+        on what they all restore (shard_restore.py)."""
+        pc, planner = self.cache, self.cache.planner
+        ids = chain_ids(pc.namespace, prompt, pc.B)
+        hit = self._leading(ids[:planner.usable_blocks(len(prompt))])
+        tail = pc.tail_for(prompt, ids)
+        if tail is not None and hit * pc.B >= tail.start:
+            return len(prompt) - 1
+        return planner.best(len(prompt), hit, self._checkpoints(ids, len(prompt), hit, {}))
+
+    def fetch_exactly(self, prompt: list[int], n: int) -> Prefetch:
+        """`prompt`'s first n tokens from this process's tiers, or nothing (the result's n is 0): a rank of a
+        sharded replica restores what the ranks agreed on or nothing, never another length. No restore-or-
+        recompute choice (rank 0 made it) and no pull."""
+        pc, planner = self.cache, self.cache.planner
+        ids = chain_ids(pc.namespace, prompt, pc.B)
+        if n <= 0:
+            return Prefetch(ids=ids)
+        hit = self._leading(ids[:planner.usable_blocks(len(prompt))])
+        tail = pc.tail_for(prompt, ids) if n == len(prompt) - 1 else None
+        if tail is not None and hit * pc.B >= tail.start:
+            reads = [("kv", j, ids[j]) for j in range(tail.start // pc.B)]
+        elif n in planner.candidates(len(prompt), hit) and \
+                planner.restorable(n, self._checkpoints(ids, len(prompt), hit, {})):
+            tail, reads = None, planner.reads(ids, n)
+        else:
+            return Prefetch(ids=ids)
+        blocks, sources = {}, {"ram": 0, "disk": 0}
+        if self._fetch(reads, ids, blocks, sources):
+            return Prefetch(ids=ids)
+        if tail is not None:
+            pc.tiers.ram.get(tail.id)
+        return Prefetch(ids=ids, n=n, blocks={k: blocks[k] for _, _, k in reads}, from_ram=sources["ram"],
+                        from_disk=sources["disk"], tail=tail)
+
     # -----------------------------------------------------------------------------------
     def _restore_pays(self, prompt_len: int, n: int, reads: list[tuple[str, int, bytes]], tail_bytes: int = 0) -> bool:
         """The restore-or-recompute choice for a plan, by the bytes each tier would move (a tail's: RAM)."""

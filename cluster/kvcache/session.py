@@ -9,6 +9,9 @@ prompt is prefilled, it keeps the prompt's tail too (tails.py). During
 decode it keeps (by reference, no copy) the recurrent state at the latest block
 end, and stores it when the request ends, so the next turn of a chat can resume
 right after this reply.
+
+On a sharded replica every rank has a BlockSession of its own over its own cache, and `shard` makes them
+restore the same tokens or none (shard_restore.py); a follower's has no prefetch of its own.
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ from typing import Optional
 
 from cluster.families.codecs import CaptureError
 from cluster.kvcache.prefix_cache import Prefetch, PrefixCache
+from cluster.kvcache.shard_restore import ShardRestore
 from cluster.store.hashing import chain_ids
 
 log = logging.getLogger(__name__)
 
 
 class BlockSession:
-    def __init__(self, cache: PrefixCache, prompt: list[int], prefetch: Prefetch):
+    uses_cache = True  # a sharded replica's followers restore too (engine/lockstep.py describes it)
+
+    def __init__(self, cache: PrefixCache, prompt: list[int], prefetch: Optional[Prefetch],
+                 shard: Optional[ShardRestore] = None):
         self.pc = cache
+        self.shard = shard
         self.B = cache.B
         self.prompt = prompt
         self.prefetch = prefetch
@@ -36,7 +44,12 @@ class BlockSession:
         self.fed: list[int] = []
 
     def restore(self) -> tuple[list, int]:
+        if self.shard is not None:
+            self.prefetch = self.shard.settle(self.prompt, self.prefetch)
+        agreed = self.prefetch.n
         caches, n, self.ids = self.pc.restore(self.prompt, self.prefetch)
+        if self.shard is not None and not self.shard.confirm(n == agreed) and n:
+            caches, n = self.pc.new_caches(), 0  # another rank could not build it: every rank prefills cold
         if n == self.prefetch.n and self.prefetch.fetched:
             self.fetched = (self.prefetch.fetched, self.prefetch.fetched_from)
         self.prefetch = None  # its blocks are in the caches now; let the bytes go

@@ -86,10 +86,13 @@ def probe_block(model, layout: Layout, block_tokens: int) -> list:
 
 def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path,
                 store_link: Optional[StoreLink] = None, listener=None,
-                schedule: Optional[Schedule] = None, prefill_step: int = 512) -> CacheSetup:
+                schedule: Optional[Schedule] = None, prefill_step: int = 512,
+                shard: Optional[dict] = None) -> CacheSetup:
     """`store_link` is the node's disk tier (None: RAM only); `listener` receives tier events. The prefill
     schedule is `schedule` if given, else config.resume_at's for this model with `prefill_step`-token chunks
-    (engine/schedule.py); the cache's `schedule` says which."""
+    (engine/schedule.py); the cache's `schedule` says which. `shard`: this rank's place in a sharded model
+    ({"mode", "size", "rank"}), part of the fingerprint. The probes are forwards: every rank of a sharded
+    model runs this at the same point (their collectives must pair up)."""
     if not config.enabled:
         return CacheSetup(None, None, "disabled by configuration")
     try:
@@ -102,7 +105,7 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
     codec = codec_descriptor(config.kv_codec, config.kv_group_size)
     fp = compute_fingerprint(model_dir, dtype=shapes.dtype, codec=codec, block_tokens=config.block_tokens,
                              chat_template=getattr(tokenizer, "chat_template", None), cache_dir=cache_dir,
-                             schedule=schedule.fingerprint())
+                             schedule=schedule.fingerprint(), shard=shard)
     disk = None
     if store_link is not None:
         disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes, config.store_timeout_s,

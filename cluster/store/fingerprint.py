@@ -144,7 +144,8 @@ def _chip_name() -> str:
 
 
 def compute_fingerprint(model_dir: Path, *, dtype: str, codec: list, block_tokens: int, chat_template: str | None,
-                        cache_dir: Path | None = None, schedule: list | None = None) -> Fingerprint:
+                        cache_dir: Path | None = None, schedule: list | None = None,
+                        shard: dict | None = None) -> Fingerprint:
     config = json.loads((model_dir / "config.json").read_text())
     parts = {
         "config": blake3(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest(),
@@ -159,5 +160,7 @@ def compute_fingerprint(model_dir: Path, *, dtype: str, codec: list, block_token
         "backend": backend(),
         "schedule": list(schedule or ["block"]),  # how prefill was cut (engine/schedule.py): it shapes the bytes
     }
+    if shard is not None:  # a rank of a sharded model holds its own heads only: {"mode", "size", "rank"}
+        parts["shard"] = dict(shard)
     namespace = blake3(b"mlxf-namespace\x01" + msgpack.packb(parts, use_bin_type=True)).digest()
     return Fingerprint(namespace=namespace, parts=parts)

@@ -1,5 +1,8 @@
 """A model sharded over two nodes of a local fleet (`up --nodes 2 --shards 2`), against the whole model.
 
+Its prefix cache: each rank keeps its own heads' blocks, and a repeated prompt is restored on both, the
+sharded replica's own cold answer bitwise (kvcache/shard_restore.py).
+
 One replica spans both nodes: Serve's replica is rank 0 on one, a ShardRank actor rank 1 on the other,
 tensor parallel over MLX's ring backend. Its answers are checked against mlx_lm.server serving the whole
 model from the same files: tensor-parallel sums round differently, so the bar is the issue's (at least 9
@@ -50,7 +53,9 @@ def test_one_replica_spans_both_nodes_and_says_so(fleet):
     assert (shards["size"], shards["mode"]) == (2, "tensor")
     assert len({n["node_id"] for n in shards["nodes"]}) == 2
     assert replica["node_id"] == shards["nodes"][0]["node_id"]
-    assert replica["cache"] == {"enabled": False, "reason": "a replica sharded over 2 nodes keeps no prefix cache yet"}
+    cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM: no disk, index or pulls yet
+    assert cache["enabled"] and cache["migration"] is None and cache["index"] is None
+    assert cache["shard_restore"] == {"agreed": 0, "cut_short": 0, "dropped": 0}
 
 
 def test_greedy_answers_are_the_whole_models(fleet, whole):
@@ -65,6 +70,34 @@ def test_greedy_answers_are_the_whole_models(fleet, whole):
                      for a, b in zip(ours["logprobs"]["content"], theirs["logprobs"]["content"])]
     assert same >= 9, same
     assert max(gaps) <= 1e-4, max(gaps)
+
+
+def test_a_repeated_prompt_is_restored_on_both_ranks_and_is_the_cold_answer_bitwise(fleet):
+    body = {"model": MODEL, "prompt": " ".join(["Both ranks keep their own heads of every block."] * 30),
+            "max_tokens": 12, "temperature": 0, "logprobs": 5}
+    before = shard_restore(fleet)
+    first, again = [httpx.post(fleet.url + "/v1/completions", json=body, timeout=120) for _ in range(2)]
+    cold = httpx.post(fleet.url + "/v1/completions", json=body, timeout=120, headers={"x-fleet-cache": "bypass"})
+    assert [r.status_code for r in (first, again, cold)] == [200] * 3
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again, cold)]
+    assert cached[0] == 0 and cached[1] >= 256 and cached[2] == 0, cached
+    # Bitwise: every logprob of every step, the chosen tokens' and the top 5, as the sharded cold runs give
+    assert again.json()["choices"][0]["logprobs"] == cold.json()["choices"][0]["logprobs"] \
+        == first.json()["choices"][0]["logprobs"]
+    assert shard_restore(fleet) == {**before, "agreed": before["agreed"] + 2}  # the bypassed run has none
+
+
+def shard_restore(fleet) -> dict:
+    """The replica's restore agreements, from a lease written after now (status reads leases, renewed every
+    few seconds)."""
+    since, deadline = time.time(), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = httpx.get(fleet.url + "/v1/fleet/status", timeout=30).json()
+        [replica] = [r for r in status["replicas"] if r["model"] == MODEL]
+        if replica["renewed"] > since:
+            return replica["cache"]["shard_restore"]
+        time.sleep(0.5)
+    raise AssertionError("the replica's lease was not renewed in 30 s")
 
 
 def rank1(fleet):

@@ -7,6 +7,10 @@ parallel) on its scheduler's model thread, then joins the lockstep. Rank 0 serve
 (every request at once, batched; one sampled without a seed; one cancelled after its third token),
 and, before sharding, runs each greedy one alone on the whole model as the reference. Every rank
 writes what each request generated, so the test can check that the ranks agree token for token.
+
+Then the prefix cache, each rank its own (RAM, its own heads, its rank in the fingerprint): rank 0 serves
+one prompt cold, again (restored on both ranks), and a third time after rank 1 has dropped its blocks
+(rank 1 does so when it rebuilds that request): the ranks then agree on nothing and both prefill cold.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from pathlib import Path
 
 GREEDY = 10
 PROMPT_LENGTHS = [24, 70, 5, 140, 33, 1, 90, 47, 120, 12]
+CACHED_PROMPT = [3 + (i * 6151) % 1021 for i in range(150)]
+DROP_AT = 12 + 2  # the batched requests (the cancelled one, ten greedy, one sampled), cold, restored, then this
 
 
 def prompt_of(n: int, salt: int) -> list[int]:
@@ -31,7 +37,13 @@ def main() -> int:
     import mlx.core as mx
     from mlx_lm import load
 
+    from cluster.config import CacheConfig
     from cluster.engine.cold_session import ColdSession
+    from cluster.engine.sharding import geometry
+    from cluster.kvcache.admission import Admission
+    from cluster.kvcache.session import BlockSession
+    from cluster.kvcache.setup import setup_cache
+    from cluster.kvcache.shard_restore import ShardRestore
     from cluster.engine.events import Delta, Finished, Started
     from cluster.engine.lockstep import Lockstep
     from cluster.engine.request import GenerationParams, SamplingParams
@@ -74,11 +86,20 @@ def main() -> int:
     def shard():
         model.shard(group)
         mx.eval(model.parameters())
-    scheduler.run(shard)
+        return setup_cache(model, tok, resolve_model(name, data_dir), CacheConfig(block_tokens=32, ram_bytes=1 << 30),
+                           Path(out).parent / f"cache{rank}", prefill_step=64,
+                           shard=geometry("tensor", 2, rank)).cache  # its probes are forwards: both ranks, here
+    pc = scheduler.run(shard)
+    admission = Admission(pc)
+    restore = ShardRestore(admission, group)
     generated: dict[str, list[int]] = {}
 
-    def rebuild(prompt, params, step):
-        s = seq(prompt, params, step)
+    def rebuild(prompt, params, step, cached):
+        if cached and len(generated) == DROP_AT:  # this rank loses its blocks: the ranks must agree on none
+            for key in pc.tiers.ram.keys():
+                pc.tiers.ram.discard(key)
+        s = Sequence(prompt, params, model, tok, BlockSession(pc, prompt, None, restore), step) if cached \
+            else seq(prompt, params, step)
         generated[str(len(generated))] = s.generated  # the same object: filled as the follower decodes
         return s
 
@@ -92,11 +113,24 @@ def main() -> int:
         result["sampled"] = seqs[-1].generated
         result["cancelled_after"] = len(cancel.generated)
         result["generated"] = [cancel.generated] + [s.generated for s in seqs]  # in the order submitted
+        cached = []
+        for i in range(3):  # cold, restored, and (rank 1's blocks gone) cold on both ranks
+            params = GenerationParams(max_tokens=GREEDY, record_logits=True)
+            s = Sequence(CACHED_PROMPT, params, model, tok,
+                         BlockSession(pc, CACHED_PROMPT, admission.fetch(CACHED_PROMPT), restore), 64)
+            [events] = scheduler.run_all([s], timeout_s=120)
+            logits = scheduler.run(lambda: mx.stack(s.logits).astype(mx.float32).tolist())
+            started = next(e for e in events if isinstance(e, Started))
+            cached.append({"cached_tokens": started.cached_tokens, "logits": logits, "tokens": list(s.generated)})
+            result["generated"].append(s.generated)
+        result["cached"] = cached
+        result["restore"] = restore.stats()
         scheduler.stop()
     else:
         while scheduler.alive:  # until rank 0 stops: its last item stops this rank too
             time.sleep(0.05)
         result["generated"] = [generated[str(i)] for i in range(len(generated))]
+        result["restore"] = restore.stats()
     Path(out).write_text(json.dumps(result))
     return 0
 
