@@ -116,12 +116,13 @@ def main() -> int:
         cached = []
         for i in range(3):  # cold, restored, and (rank 1's blocks gone) cold on both ranks
             params = GenerationParams(max_tokens=GREEDY, record_logits=True)
-            s = Sequence(CACHED_PROMPT, params, model, tok,
-                         BlockSession(pc, CACHED_PROMPT, admission.fetch(CACHED_PROMPT), restore), 64)
+            prefetch = admission.fetch(CACHED_PROMPT)
+            s = Sequence(CACHED_PROMPT, params, model, tok, BlockSession(pc, CACHED_PROMPT, prefetch, restore), 64)
             [events] = scheduler.run_all([s], timeout_s=120)
             logits = scheduler.run(lambda: mx.stack(s.logits).astype(mx.float32).tolist())
             started = next(e for e in events if isinstance(e, Started))
-            cached.append({"cached_tokens": started.cached_tokens, "logits": logits, "tokens": list(s.generated)})
+            cached.append({"offered": prefetch.n, "cached_tokens": started.cached_tokens, "logits": logits,
+                           "tokens": list(s.generated)})
             result["generated"].append(s.generated)
         result["cached"] = cached
         result["restore"] = restore.stats()
