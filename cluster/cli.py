@@ -51,9 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--no-batching", action="store_true",
                     help="decode each replica's sequences in turns, one token each, instead of in one batch")
     up.add_argument("--shards", type=int, default=None,
-                    help="nodes each replica of every model spans (tensor parallel; default 1: a whole model per node)")
-    up.add_argument("--shard-mode", choices=["tensor"], default=None,
-                    help="how a sharded replica splits the model (tensor: every layer over the ranks)")
+                    help="nodes each replica of every model spans (one rank per node; default 1: a whole model per node)")
+    up.add_argument("--shard-mode", choices=["auto", "tensor", "pipeline"], default=None,
+                    help="how a sharded replica splits the model: tensor (every layer over the ranks), pipeline "
+                         "(a run of layers per rank), auto (default: tensor where the family can)")
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant decode: a batched request's logits bitwise its solo run's (on a GPU; costs throughput)")
     up.add_argument("--decode-concurrency", type=int, default=None,

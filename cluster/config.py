@@ -175,10 +175,10 @@ class ModelSpec(_Config):
         None, ge=1, le=1024, description="Sequences one replica decodes in one batch; more wait, holding only their fetched blocks. Default: max_ongoing_requests.",
     )
     shards: int = Field(
-        1, ge=1, le=64, description="Nodes one replica of this model spans (tensor parallel over mx.distributed, one rank per node; engine/sharding.py), for a model bigger than one Mac. The replica takes that many fleet nodes at once (a Ray placement group, one bundle per node); replicas default to nodes // shards. 1: the whole model on every node.",
+        1, ge=1, le=64, description="Nodes one replica of this model spans (tensor or pipeline parallel over mx.distributed, one rank per node; engine/sharding.py), for a model bigger than one Mac. The replica takes that many fleet nodes at once (a Ray placement group, one bundle per node); replicas default to nodes // shards. 1: the whole model on every node.",
     )
-    shard_mode: Literal["tensor"] = Field(
-        "tensor", description="How a sharded replica splits the model: tensor (every layer's heads and MLP columns split over the ranks; needs mlx-lm's shard() for the family). Pipeline parallel is not offered yet.",
+    shard_mode: Literal["auto", "tensor", "pipeline"] = Field(
+        "auto", description="How a sharded replica splits the model (engine/sharding.py): tensor (every layer's heads and MLP columns over the ranks, two sums per layer: needs fast links and mlx-lm's shard() for the family), pipeline (each rank a run of whole layers, one hand-off per forward: slow links do, logits bitwise the whole model's; needs the family's pipeline() in mlx-lm, and Metal or the CPU: MLX's CUDA backend lacks send/recv), or auto: tensor where the family has it, else pipeline.",
     )
     deterministic: bool = Field(
         False, description="Batch-invariant decode: a batched request's logits are bitwise those it gets alone (engine/invariant.py). On a GPU every decode step's matmuls run at decode_concurrency rows and attention runs in a kernel whose sums do not depend on the batch; it costs throughput (docs/gpu.md measures it). On the CPU backend batched rows are already their solo runs, so nothing changes; on Metal it is not available yet and the replica refuses to start.",

@@ -160,6 +160,10 @@ class ModelReplica:
         cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
                             prefill_step=self.spec.prefill_step_tokens,
                             shard=self.shards.geometry(0) if self.shards is not None else None)
+        if self.shards is not None:
+            from cluster.kvcache.shard_restore import cache_on_every_rank
+
+            cache = cache_on_every_rank(cache, self.shards.group)
         if cache.cache is not None and cache.cache.device:
             from mlx.utils import tree_flatten
 

@@ -96,15 +96,16 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     from cluster.kvcache.admission import Admission
     from cluster.kvcache.session import BlockSession
     from cluster.kvcache.setup import setup_cache
-    from cluster.kvcache.shard_restore import ShardRestore
+    from cluster.kvcache.shard_restore import ShardRestore, cache_on_every_rank
     from cluster.models.resolve import resolve_model
 
     group = init_group(rank, hostfile(addresses, Path(node_dir)))
     model_dir = resolve_model(spec.source, Path(app.data_dir).expanduser())
     model, tokenizer = load(str(model_dir), lazy=True)
     shard(model, group, spec.shard_mode)
-    pc = setup_cache(model, tokenizer, model_dir, app.cache, node_dir, prefill_step=spec.prefill_step_tokens,
-                     shard=geometry(spec.shard_mode, spec.shards, rank)).cache
+    pc = cache_on_every_rank(setup_cache(model, tokenizer, model_dir, app.cache, node_dir,
+                                         prefill_step=spec.prefill_step_tokens,
+                                         shard=geometry(spec.shard_mode, spec.shards, rank)), group).cache
     schedule = pc.schedule if pc is not None else \
         Schedule.of(app.cache.resume_at, app.cache.block_tokens, spec.prefill_step_tokens)
     new_caches = pc.new_caches if pc is not None else (lambda: make_prompt_cache(model))
@@ -148,8 +149,9 @@ class ShardGroup:
         from cluster.models.resolve import read_config
 
         config = read_config(model_dir)
-        check_shardable(config.get("model_type", "?"), spec.shard_mode, spec.shards, config)
-        self.spec = spec
+        mode = check_shardable(config.get("model_type", "?"), spec.shard_mode, spec.shards, config)
+        self.spec = spec.model_copy(update={"shard_mode": mode})  # auto resolved: every rank splits the same way
+        spec = self.spec
         self.actors, self.addresses = start_ranks(spec, app)
         self._starts = [a.start.remote(self.addresses) for a in self.actors]  # they join as rank 0 does
         self.group = None

@@ -3,13 +3,19 @@
 A sharded replica (`shards: N`) runs one rank per node. Every rank:
 1. starts MLX's distributed group from a hostfile that lists every rank's `ip:port` (ring: TCP over any
    network; on Macs with Thunderbolt 5 and RDMA enabled, JACCL), its rank in `MLX_RANK`;
-2. loads the whole model lazily and keeps its own part: tensor parallel (`model.shard(group)`, mlx-lm's:
-   each rank holds 1/N of every layer's heads and MLP columns, and every layer sums over the ranks);
+2. loads the whole model lazily and keeps its own part, in one of mlx-lm's two ways:
+   - tensor parallel (`model.shard(group)`): each rank holds 1/N of every layer's heads and MLP columns,
+     and every layer sums over the ranks (two all_sums per layer: fast links);
+   - pipeline parallel (`model.model.pipeline(group)`): each rank holds a run of whole layers (rank 0 the
+     last), receives the hidden state from the rank before, sends it on, and the last stage's output is
+     gathered to every rank (one send per forward: slow links do; the ranks take turns, so one request
+     does not run faster); every layer is computed whole, so the logits are the whole model's, bitwise;
 3. runs the same scheduler turns as every other rank (lockstep.py).
 
-Tensor parallel needs the family's `shard` in mlx-lm (qwen3, llama, qwen3_5, qwen3_next ...); pipeline
-parallel needs send/recv, which MLX's CUDA backend lacks, and is not offered yet. A model that cannot be
-split is refused by name before any rank starts.
+Tensor parallel needs the family's `shard` in mlx-lm (qwen3, llama, qwen3_5, qwen3_moe ...), pipeline its
+`pipeline` (qwen3_5, qwen3_next, qwen3_moe, qwen2, the DeepSeek ones ...) and send/recv, which MLX's CUDA
+backend lacks. qwen3_next has only pipeline. `auto` takes tensor where the family has it, else pipeline. A model that cannot be split is
+refused by name before any rank starts.
 """
 
 from __future__ import annotations
@@ -21,51 +27,92 @@ import os
 import tempfile
 from pathlib import Path
 
-SHARD_MODES = ("tensor",)
+SHARD_MODES = ("tensor", "pipeline")
 
 
 class UnshardableModel(ValueError):
     """The model's family cannot be split the way the config asks."""
 
 
-def tensor_parallel_families() -> list[str]:
-    """mlx-lm model types whose Model has `shard` (tensor parallel)."""
+def _modes_of(module) -> set[str]:
+    """The ways mlx-lm can split a model module's Model: tensor (its `shard`), pipeline (a `pipeline` class)."""
+    modes = set()
+    if callable(getattr(getattr(module, "Model", None), "shard", None)):
+        modes.add("tensor")
+    if any(isinstance(c, type) and callable(getattr(c, "pipeline", None)) for c in vars(module).values()):
+        modes.add("pipeline")
+    return modes
+
+
+def families() -> dict[str, list[str]]:
+    """mlx-lm model types by the way they can be split: {"tensor": [...], "pipeline": [...]}."""
     import importlib
     import pkgutil
 
     import mlx_lm.models
 
-    names = []
+    out: dict[str, list[str]] = {m: [] for m in SHARD_MODES}
     for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        if info.name in ("pipeline", "base", "cache"):
+            continue
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # olmo prints how to install its dependency, then exits
                 module = importlib.import_module(f"mlx_lm.models.{info.name}")
         except (Exception, SystemExit):
             continue
-        if callable(getattr(getattr(module, "Model", None), "shard", None)):
-            names.append(info.name)
-    return sorted(names)
+        for mode in _modes_of(module):
+            out[mode].append(info.name)
+    return {m: sorted(names) for m, names in out.items()}
 
 
-def check_shardable(model_type: str, mode: str, shards: int, config: dict) -> None:
-    """Raise UnshardableModel, naming what can, unless `model_type` splits `shards` ways in `mode`."""
+def tensor_parallel_families() -> list[str]:
+    """mlx-lm model types whose Model has `shard` (tensor parallel)."""
+    return families()["tensor"]
+
+
+def check_shardable(model_type: str, mode: str, shards: int, config: dict) -> str:
+    """The mode `model_type` splits `shards` ways in (`auto`: tensor where it can, else pipeline); raise
+    UnshardableModel, naming what can, if it cannot."""
     import importlib
 
-    if mode not in SHARD_MODES:
-        raise UnshardableModel(f"shard_mode: {mode!r} is not offered yet; use shard_mode: tensor")
+    if mode not in (*SHARD_MODES, "auto"):
+        raise UnshardableModel(f"shard_mode: {mode!r} is not a mode; use tensor, pipeline or auto")
     try:
-        model_class = importlib.import_module(f"mlx_lm.models.{model_type}").Model
-    except (ImportError, AttributeError):
-        model_class = None
-    if not callable(getattr(model_class, "shard", None)):
+        modes = _modes_of(importlib.import_module(f"mlx_lm.models.{model_type}"))
+    except ImportError:
+        modes = set()
+    chosen = ("tensor" if "tensor" in modes else "pipeline" if "pipeline" in modes else None) if mode == "auto" \
+        else mode if mode in modes else None
+    if chosen is None:
+        known = families()
+        wanted = {"auto": "either mode", "tensor": "tensor parallel (its shard())",
+                  "pipeline": "pipeline parallel (its pipeline())"}[mode]
         raise UnshardableModel(
-            f"shards: {shards}: mlx-lm cannot split {model_type!r} models (tensor parallel needs its shard()); "
-            f"these families can: {', '.join(tensor_parallel_families())}")
-    for key in ("num_key_value_heads", "num_attention_heads"):
-        heads = config.get(key) or config.get("text_config", {}).get(key)
-        if heads and heads % shards:
-            raise UnshardableModel(f"shards: {shards} does not divide the model's {key} ({heads}); "
-                                   f"choose shards among {[d for d in range(2, heads + 1) if heads % d == 0]}")
+            f"shards: {shards}: mlx-lm cannot split {model_type!r} models in {wanted}; tensor parallel can split "
+            f"{', '.join(known['tensor'])}; pipeline parallel can split {', '.join(known['pipeline'])}")
+    text = config.get("text_config", {})
+    if chosen == "tensor":
+        for key in ("num_key_value_heads", "num_attention_heads"):
+            heads = config.get(key) or text.get(key)
+            if heads and heads % shards:
+                raise UnshardableModel(f"shards: {shards} does not divide the model's {key} ({heads}); "
+                                       f"choose shards among {[d for d in range(2, heads + 1) if heads % d == 0]}")
+    else:
+        layers = config.get("num_hidden_layers") or text.get("num_hidden_layers")
+        if layers and shards > layers:
+            raise UnshardableModel(f"shards: {shards} is more than the model's {layers} layers; pipeline parallel "
+                                   "gives every rank one layer at least")
+        if _cuda():
+            raise UnshardableModel("shard_mode: pipeline needs distributed send/recv, which MLX's CUDA backend "
+                                   "lacks; use shard_mode: tensor (Metal and the CPU have both)")
+    return chosen
+
+
+def _cuda() -> bool:
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
 
 
 def hostfile(addresses: list[str], directory: Path) -> Path:
@@ -88,12 +135,15 @@ def init_group(rank: int, hosts: Path):
 
 
 def shard(model, group, mode: str = "tensor") -> None:
-    """Keep this rank's part of `model` and drop the rest (model thread)."""
+    """Keep this rank's part of `model` and drop the rest (model thread); `mode` as check_shardable chose."""
     import mlx.core as mx
 
-    if mode != "tensor":
-        raise UnshardableModel(f"shard_mode: {mode!r} is not offered yet; use shard_mode: tensor")
-    model.shard(group)
+    if mode == "tensor":
+        model.shard(group)
+    elif mode == "pipeline":
+        model.model.pipeline(group)  # as mlx-lm's sharded_load: the layers of other stages become None
+    else:
+        raise UnshardableModel(f"shard_mode: {mode!r} is not a mode; use tensor or pipeline")
     mx.eval(model.parameters())
 
 

@@ -33,6 +33,9 @@ def layout_for(model, config: dict, kv_codec: str = "native", group_size: int = 
     if fn is None:
         raise UnsupportedModel(model_type, f"no layout declared for this family; supported: {', '.join(sorted(FAMILIES))}")
     specs = tuple(fn(model, text_config(config)))
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:  # a pipeline stage (engine/sharding.py) caches its own layers only
+        specs = specs[inner.start_idx:inner.end_idx]
     _check_against_mlx(model_type, specs, model)
     if kv_codec in ("q8", "q4"):  # tq*: the model runs native caches, blocks are packed (kvcache/payload_codec.py)
         if any(not isinstance(s, FullAttention) for s in specs):

@@ -45,8 +45,13 @@ def probe(model, layout: Layout, block_tokens: int) -> Shapes:
     caches = [new_cache(spec) for spec in layout.layers]
     model(mx.array([[1, 2, 3, 4]]), cache=caches)
     mx.eval([c.state for c in caches])
-    kv = next(c for spec, c in zip(layout.layers, caches) if not isinstance(spec, Recurrent))
-    dtype = kv.keys[1].dtype if isinstance(kv.keys, tuple) else kv.keys.dtype
+    kv = next((c for spec, c in zip(layout.layers, caches) if not isinstance(spec, Recurrent)), None)
+    if kv is not None:
+        dtype = kv.keys[1].dtype if isinstance(kv.keys, tuple) else kv.keys.dtype
+    else:  # recurrent layers only (a pipeline stage of a hybrid, engine/sharding.py): the state's dtype
+        from mlx.utils import tree_flatten
+
+        dtype = tree_flatten([c.state for c in caches])[0][1].dtype
     signatures = [payload_signature(spec, c, block_tokens) for spec, c in zip(layout.layers, caches)]
     state_bytes, per_token = layout_byte_sizes(layout, caches)
     return Shapes(dtype=dtype_tag(dtype), kv=tuple(s[0] for s in signatures), state=tuple(s[1] for s in signatures),

@@ -57,3 +57,19 @@ class ShardRestore:
 
     def stats(self) -> dict:
         return {"agreed": self.agreed, "cut_short": self.short, "dropped": self.dropped}
+
+
+def cache_on_every_rank(setup, group):
+    """`setup` (this rank's CacheSetup) if every rank of the group set up a cache, else one without: a rank
+    restoring while another cannot would part them (its probe failed, its family has no layout on its
+    layers). Every rank calls it right after setup_cache (model thread)."""
+    import mlx.core as mx
+
+    from cluster.kvcache.setup import CacheSetup
+
+    model_thread.check("cache_on_every_rank")
+    every = int(mx.distributed.all_min(mx.array([int(setup.cache is not None)], mx.int32), group=group).item())
+    if every or setup.cache is None:
+        return setup
+    return CacheSetup(None, None, "another rank of this sharded replica runs without a prefix cache (its log says "
+                                  "why), so no rank keeps one")

@@ -1,9 +1,9 @@
 """One rank of a two-process sharded model, for tests/engine/test_lockstep.py.
 
-    python -m tests.engine.lockstep_rank RANK HOSTFILE MODEL DATA_DIR OUT.json
+    python -m tests.engine.lockstep_rank RANK HOSTFILE MODEL DATA_DIR OUT.json [MODE]
 
-Each rank starts MLX's ring backend over loopback, loads the built-in MODEL and shards it (tensor
-parallel) on its scheduler's model thread, then joins the lockstep. Rank 0 serves the requests below
+Each rank starts MLX's ring backend over loopback, loads the built-in MODEL and shards it (MODE: tensor,
+the default, or pipeline parallel) on its scheduler's model thread, then joins the lockstep. Rank 0 serves the requests below
 (every request at once, batched; one sampled without a seed; one cancelled after its third token),
 and, before sharding, runs each greedy one alone on the whole model as the reference. Every rank
 writes what each request generated, so the test can check that the ranks agree token for token.
@@ -33,6 +33,7 @@ def prompt_of(n: int, salt: int) -> list[int]:
 
 def main() -> int:
     rank, hostfile, name, data_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+    mode = sys.argv[6] if len(sys.argv) > 6 else "tensor"
     os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(rank), hostfile
     import mlx.core as mx
     from mlx_lm import load
@@ -40,10 +41,11 @@ def main() -> int:
     from cluster.config import CacheConfig
     from cluster.engine.cold_session import ColdSession
     from cluster.engine.sharding import geometry
+    from cluster.engine.sharding import shard as split
     from cluster.kvcache.admission import Admission
     from cluster.kvcache.session import BlockSession
-    from cluster.kvcache.setup import setup_cache
-    from cluster.kvcache.shard_restore import ShardRestore
+    from cluster.kvcache.setup import CacheSetup, setup_cache
+    from cluster.kvcache.shard_restore import ShardRestore, cache_on_every_rank
     from cluster.engine.events import Delta, Finished, Started
     from cluster.engine.lockstep import Lockstep
     from cluster.engine.request import GenerationParams, SamplingParams
@@ -84,11 +86,13 @@ def main() -> int:
         result["unsharded"] = [describe(e, Delta, Finished) for e in scheduler.run(alone)]
 
     def shard():
-        model.shard(group)
-        mx.eval(model.parameters())
-        return setup_cache(model, tok, resolve_model(name, data_dir), CacheConfig(block_tokens=32, ram_bytes=1 << 30),
-                           Path(out).parent / f"cache{rank}", prefill_step=64,
-                           shard=geometry("tensor", 2, rank)).cache  # its probes are forwards: both ranks, here
+        split(model, group, mode)
+        setup = setup_cache(model, tok, resolve_model(name, data_dir), CacheConfig(block_tokens=32, ram_bytes=1 << 30),
+                            Path(out).parent / f"cache{rank}", prefill_step=64,
+                            shard=geometry(mode, 2, rank))  # its probes are forwards: both ranks, here
+        alone = cache_on_every_rank(setup if rank == 0 else CacheSetup(None, None, "off"), group)  # one rank without
+        result["alone"] = alone.disabled_reason if alone.cache is None else "kept"
+        return cache_on_every_rank(setup, group).cache
     pc = scheduler.run(shard)
     admission = Admission(pc)
     restore = ShardRestore(admission, group)

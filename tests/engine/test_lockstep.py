@@ -17,12 +17,12 @@ import pytest
 from cluster.ports import free_port
 
 
-def run_ranks(name: str, data_dir: Path, tmp_path: Path) -> list[dict]:
+def run_ranks(name: str, data_dir: Path, tmp_path: Path, mode: str = "tensor") -> list[dict]:
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.engine.lockstep_rank", str(r), str(hostfile), name,
-                               str(data_dir), str(outs[r])], cwd=Path(__file__).parents[2])
+                               str(data_dir), str(outs[r]), mode], cwd=Path(__file__).parents[2])
              for r in range(2)]
     try:
         codes = [p.wait(timeout=90) for p in procs]
@@ -33,10 +33,11 @@ def run_ranks(name: str, data_dir: Path, tmp_path: Path) -> list[dict]:
     return [json.loads(o.read_text()) for o in outs]
 
 
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-hybrid"])
-def test_two_ranks_serve_batched_requests_in_lockstep(name, data_dir, load_builtin, tmp_path):
+@pytest.mark.parametrize("name, mode", [("tiny-dense", "tensor"), ("tiny-hybrid", "tensor"),
+                                        ("tiny-hybrid", "pipeline"), ("tiny-next", "pipeline")])
+def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, data_dir, load_builtin, tmp_path):
     load_builtin(name)  # built in the session's data dir before the ranks load it
-    leader, follower = run_ranks(name, data_dir, tmp_path)
+    leader, follower = run_ranks(name, data_dir, tmp_path, mode)
     assert (leader["size"], follower["size"]) == (2, 2)
     # Every request, the sampled and the cancelled ones included, decoded the same tokens on both ranks.
     assert follower["generated"] == leader["generated"]
@@ -48,9 +49,14 @@ def test_two_ranks_serve_batched_requests_in_lockstep(name, data_dir, load_built
     assert same >= 9, (same, [(a["tokens"], b["tokens"]) for a, b in zip(sharded, whole)])
     gaps = [abs(a["first_logprob"] - b["first_logprob"]) for a, b in zip(sharded, whole)]
     assert max(gaps) <= 1e-4, gaps
+    if mode == "pipeline":  # every layer computed whole, on one rank: the whole model's answers, bitwise
+        assert same == 10 and max(gaps) == 0.0, (same, gaps)
     # The prefix cache, each rank its own heads' blocks: a repeated prompt is restored on both ranks, bitwise
     # the sharded model's own cold run; once rank 1 has lost its blocks, the ranks agree on nothing and both
     # prefill cold (a rank restoring alone would part their shapes and hang their collectives).
+    # A rank without a cache turns it off on every rank, at start (here rank 1 said "off").
+    assert leader["alone"].startswith("another rank of this sharded replica runs without a prefix cache")
+    assert follower["alone"] == "off"
     cold, warm, dropped = leader["cached"]
     assert cold["offered"] == 0 and warm["offered"] == dropped["offered"] > 0
     assert (cold["cached_tokens"], warm["cached_tokens"], dropped["cached_tokens"]) == (0, warm["offered"], 0)
