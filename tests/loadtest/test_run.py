@@ -140,7 +140,7 @@ def test_the_summary_records_settings_as_json_values_never_the_key():
 
 def test_the_runner_compares_policies_on_fresh_fleets_and_stops_them(tmp_path):
     out = tmp_path / "compare"
-    r = loadtest("--routing", "affinity", "pow2", "--nodes", "2", "--workload", "shared", "--users", "3",
+    r = loadtest("--routing", "affinity", "pow2", "--nodes", "1", "--workload", "shared", "--users", "3",
                  "--spawn-rate", "3", "--requests", "12", "--verify-fraction", "0", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
