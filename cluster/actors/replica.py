@@ -80,7 +80,7 @@ class ModelReplica:
                 self.cache.cache.spill_when_idle = True
                 self.scheduler.when_idle(self.cache.cache.spill_idle)
             # A sharded replica's ranks keep their blocks in RAM, each its own heads, and restore the same
-            # tokens or none (kvcache/shard_restore.py); no disk, no index, no pulls from peers yet.
+            # tokens or none (kvcache/shard_restore.py); no disk and no pulls from peers yet.
             self.peers = PeerClient(self.cache.cache.namespace) if self.shards is None else None
             self.admission = Admission(self.cache.cache, ThreadPoolExecutor(ADMISSION_THREADS, "mlx-fleet-admit"),
                                        app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)
@@ -92,11 +92,11 @@ class ModelReplica:
                          "cached_tokens": 0, "fetched_tokens": 0, "completion_tokens": 0}
         self.streams = 0  # requests streaming from this replica now (its event loop only)
         self.lease = None
-        if app.redis_url:
+        if app.redis_url:  # the publisher first: the lease's first write already shows its counters
+            if self.cache.cache is not None:  # a sharded replica: rank 0 announces, its ranks hold the same blocks
+                self.publisher = self._publish(app)
             self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats,
                                      app.redis, node_name=self.node.name)
-            if self.cache.cache is not None and self.shards is None:
-                self.publisher = self._publish(app)
         self.exporter = metrics.StatsExporter()
         self.metrics_loop = metrics.Every(self._every_period, METRICS_PERIOD_S, "mlx-fleet-metrics")
         log.info("replica of %s ready on node %s (%s)", spec.name, self.node.node_id, self.path)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from cluster.bench.batch import MlxLmServer
-from tests.local_fleet import LocalFleet
+from tests.local_fleet import LocalFleet, route_of
 
 pytestmark = pytest.mark.fleet
 MODEL = "tiny-dense"
@@ -53,8 +53,8 @@ def test_one_replica_spans_both_nodes_and_says_so(fleet):
     assert (shards["size"], shards["mode"]) == (2, "tensor")
     assert len({n["node_id"] for n in shards["nodes"]}) == 2
     assert replica["node_id"] == shards["nodes"][0]["node_id"]
-    cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM: no disk, index or pulls yet
-    assert cache["enabled"] and cache["migration"] is None and cache["index"] is None
+    cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM (no disk or pulls yet); rank 0 announces
+    assert cache["enabled"] and cache["migration"] is None and cache["index"] is not None
     assert cache["shard_restore"] == {"agreed": 0, "cut_short": 0, "dropped": 0}
 
 
@@ -81,6 +81,9 @@ def test_a_repeated_prompt_is_restored_on_both_ranks_and_is_the_cold_answer_bitw
     assert [r.status_code for r in (first, again, cold)] == [200] * 3
     cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again, cold)]
     assert cached[0] == 0 and cached[1] >= 256 and cached[2] == 0, cached
+    # The router found the prefix in the fleet index, announced by rank 0, on the replica's node
+    assert route_of(again.headers)["local"] == str(cached[1]) and route_of(again.headers)["reason"] == "hit", \
+        again.headers["x-fleet-route"]
     # Bitwise: every logprob of every step, the chosen tokens' and the top 5, as the sharded cold runs give
     assert again.json()["choices"][0]["logprobs"] == cold.json()["choices"][0]["logprobs"] \
         == first.json()["choices"][0]["logprobs"]
