@@ -2,6 +2,7 @@
 
 Each mini-host (tests/deploy/netns/fleet_netns.sh) is its own network, PID, UTS and mount namespace
 running its own sshd, on a private bridge (10.77.0.0/24): fleet-h0 is the head, fleet-h1/h2 the workers.
+Besides the plain model, a sharded one spans two of the mini-hosts (deploy/serve-sharded.yaml's settings).
 The test takes the real deploy/cluster.yaml and changes only what cannot be the same here:
 
 - ``provider``: the mini-hosts' addresses instead of the Macs';
@@ -202,13 +203,18 @@ def _redis_url(ray_output: str) -> str:
     return found[-1]
 
 
-def _serve_yaml(tmp_path: Path, redis_url: str, routing: str = "round_robin") -> Path:
+def _serve_yaml(tmp_path: Path, redis_url: str, routing: str = "round_robin", sharded: bool = False) -> Path:
     """deploy/serve.yaml with what only a user can fill in: the Redis URL `ray up` printed and a model
     (a built-in one: nothing to download). Two more changes, for this box: a small RAM budget, and
-    first round-robin routing, so six requests in a row reach every mini-host whatever their loads."""
+    first round-robin routing, so six requests in a row reach every mini-host whatever their loads.
+    `sharded`: also a model each replica of which spans two mini-hosts, as deploy/serve-sharded.yaml's."""
     doc = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
     args = doc["applications"][0]["args"]
     args["models"] = [{"name": "tiny-dense", "source": "tiny-dense"}]
+    if sharded:
+        sharded_model = yaml.safe_load((REPO / "deploy" / "serve-sharded.yaml").read_text())[
+            "applications"][0]["args"]["models"][0]
+        args["models"].append({**sharded_model, "name": "tiny-hybrid", "source": "tiny-hybrid"})
     args["redis_url"] = redis_url
     args["cache"]["ram_bytes"] = 256 << 20
     args["routing"]["policy"] = routing
@@ -299,7 +305,7 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
         # running app). A long prompt is asked once (cold), then six times at once: the router keeps what
         # it can on the node that holds the blocks and moves the rest (bounded load), and the nodes it
         # moves them to pull the blocks from the holder over the bridge instead of recomputing them.
-        serve_file = _serve_yaml(tmp_path, redis_url, routing="affinity")
+        serve_file = _serve_yaml(tmp_path, redis_url, routing="affinity", sharded=True)
         r = _run([str(VENV / "bin" / "mlx-fleet"), "deploy", str(serve_file), "--address",
                   f"http://{IPS[0]}:8265", "--timeout", "240"], cwd=REPO, env=deploy_env, timeout=300)
         assert r.returncode == 0, f"mlx-fleet deploy (affinity) failed:\n{r.stdout}\n{r.stderr}"
@@ -325,6 +331,15 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
         # locally: a hot prefix replicates to where it is used).
         assert any(b[0] != holder and f"from={holder}" in b[1] and "fetched=0" not in b[1] for b in burst), burst
         print(f"affinity and migration across the bridge: {[b[1] for b in burst]} ({time.monotonic() - t0:.0f} s)")
+
+        # The sharded model (deploy/serve-sharded.yaml's settings): one replica over two mini-hosts, tensor
+        # parallel over MLX's ring across the bridge, its answer restored on both ranks the second time.
+        body = {"model": "tiny-hybrid", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        with httpx.Client(base_url=f"http://{IPS[0]}:8000", timeout=120, trust_env=False) as http:
+            sharded = [ask(http) for _ in range(2)]
+        assert all(len({n.rsplit("-", 1)[0] for n in s[0].split(",")}) == 2 for s in sharded), sharded
+        assert sharded[0][2] == 0 and sharded[1][2] > 0 and sharded[0][3] == sharded[1][3], sharded
+        print(f"a sharded replica over {sharded[0][0]} ({time.monotonic() - t0:.0f} s)")
 
         # Tear down as deploy/README.md says: `ray down` stops the head; `ray stop` on each worker.
         r = ray("down", "-y", str(cluster), timeout=90)
