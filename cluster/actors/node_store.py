@@ -157,3 +157,17 @@ def get_or_create(node, budget: Optional[int], redis_url: Optional[str], redis_s
     handle = actor.remote(node.node_id, node.name, str(node.data_dir), budget, redis_url, redis_settings)
     ray.get(handle.ping.remote(), timeout=120)
     return handle
+
+
+def disk_link(node, app):
+    """`node`'s disk tier as a replica's cache reaches it (a StoreLink), or None (RAM only) if the app turns
+    it off or the store cannot be reached. Every rank of a sharded replica takes its own node's."""
+    from cluster.kvcache.store_link import ActorLink
+
+    if not (app.cache.enabled and app.cache.disk):
+        return None
+    try:
+        return ActorLink(get_or_create(node, app.cache.disk_bytes, app.redis_url, app.redis.model_dump()))
+    except Exception as e:  # serve from RAM rather than not at all
+        log.warning("no disk tier on node %s (%s); caching in RAM only", node.node_id, e)
+        return None

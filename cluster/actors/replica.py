@@ -35,7 +35,6 @@ from cluster.kvcache.index_publisher import IndexPublisher
 from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.session import BlockSession
 from cluster.kvcache.speeds import load_speeds, save_speeds, speeds_path
-from cluster.kvcache.store_link import ActorLink
 from cluster.models.resolve import resolve_model
 from cluster.node import current_node
 from cluster.store.fleet_index import FleetIndex
@@ -56,7 +55,7 @@ class ModelReplica:
         self.spec = spec
         self.node = current_node(app.data_dir)
         self.started = time.time()
-        link = self._disk_link(app) if spec.shards == 1 else None
+        link = self._disk_link(app)  # a sharded replica's rank 0: its own node's, as each rank takes its own
         self.scheduler = (ShardedScheduler if spec.shards > 1 else Scheduler)(
             name=f"mlx-fleet-{spec.name}", batching=spec.batching,
             decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
@@ -66,7 +65,7 @@ class ModelReplica:
             from cluster.actors.shard_rank import ShardGroup
 
             model_dir = self.scheduler.run(lambda: resolve_model(spec.source, Path(app.data_dir).expanduser()))
-            self.shards = ShardGroup(spec, app, model_dir)
+            self.shards = ShardGroup(spec, app, model_dir, self.node.node_id)
         self.path, self.model, self.tokenizer, self.cache, self.memory = self.scheduler.run(lambda: self._load(app, link))
         if self.shards is not None:
             self.shards.lead(self.scheduler)
@@ -79,8 +78,8 @@ class ModelReplica:
             if self.cache.cache.device:  # spills wait for the model thread to be idle (PrefixCache.spill_idle)
                 self.cache.cache.spill_when_idle = True
                 self.scheduler.when_idle(self.cache.cache.spill_idle)
-            # A sharded replica's ranks keep their blocks in RAM, each its own heads, and restore the same
-            # tokens or none (kvcache/shard_restore.py); no disk and no pulls from peers yet.
+            # A sharded replica's ranks keep their blocks, each its own heads, in RAM and on their own nodes'
+            # disks, and restore the same tokens or none (kvcache/shard_restore.py); no pulls from peers yet.
             self.peers = PeerClient(self.cache.cache.namespace) if self.shards is None else None
             self.admission = Admission(self.cache.cache, ThreadPoolExecutor(ADMISSION_THREADS, "mlx-fleet-admit"),
                                        app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)
@@ -159,7 +158,7 @@ class ModelReplica:
             model, tokenizer = load(str(path))
         cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
                             prefill_step=self.spec.prefill_step_tokens,
-                            shard=self.shards.geometry(0) if self.shards is not None else None)
+                            shard=self.shards.geometry() if self.shards is not None else None)
         if self.shards is not None:
             from cluster.kvcache.shard_restore import cache_on_every_rank
 
@@ -200,15 +199,8 @@ class ModelReplica:
         log.info("%s: deterministic decode: %s", self.spec.name, self.scheduler.deterministic)
 
     def _disk_link(self, app: AppConfig):
-        """This node's disk tier, or None (RAM only) if it is off or cannot be reached."""
-        if not (app.cache.enabled and app.cache.disk):
-            return None
-        try:
-            handle = node_store.get_or_create(self.node, app.cache.disk_bytes, app.redis_url, app.redis.model_dump())
-            return ActorLink(handle)
-        except Exception as e:  # serve from RAM rather than not at all
-            log.warning("no disk tier on node %s (%s); caching in RAM only", self.node.node_id, e)
-            return None
+        """This node's disk tier, or None (RAM only)."""
+        return node_store.disk_link(self.node, app)
 
     async def generate(self, request: GenerateRequest):
         """Stream lists of events for one request; the first list is [Accepted]."""

@@ -1,19 +1,22 @@
 """The other ranks of a sharded replica: one Ray actor per extra node, each with its own model thread.
 
-A replica with `shards: N` is a Serve replica (rank 0, the one the router and the gateway talk to) in
+A replica with `shards: N` is a Serve replica (the leader, the one the router and the gateway talk to) in
 bundle 0 of its placement group (one bundle per node, STRICT_SPREAD: app.py), plus N-1 `ShardRank`
-actors, one in each other bundle. Rank 0 starts them (`start_ranks`):
+actors, one in each other bundle. The leader starts them (`start_ranks`):
 
-1. each rank names its own `ip:port` (a free port on its node, as the fleet picks ports);
-2. rank 0 writes the hostfile and every rank, itself included, joins MLX's group at once
-   (engine/sharding.py), loads the model and keeps its part;
-3. the followers then run rank 0's turns (engine/lockstep.py) until rank 0 stops.
+1. each rank names its own `ip:port` (a free port on its node, as the fleet picks ports) and its node;
+2. the ranks are numbered by their nodes' ids (engine/sharding.py `ranks_by_node`), so a node keeps its
+   rank, and its disk's blocks, when the replica starts again over the same nodes, whichever node Serve
+   puts the replica on; the replica is the leader, whatever its rank;
+3. every rank, the leader included, writes the hostfile and joins MLX's group at once, loads the model
+   and keeps its part;
+4. the followers then run the leader's turns (engine/lockstep.py) until the leader stops.
 
-The actors are rank 0's children: they die with it, and Serve replaces the replica whole. A follower
-that dies is seen two ways: a collective in progress fails ("connection to a peer was lost"), and rank 0's
+The actors are the leader's children: they die with it, and Serve replaces the replica whole. A follower
+that dies is seen two ways: a collective in progress fails ("connection to a peer was lost"), and the leader's
 watch on each follower's `until_stopped` call ends at once (Ray fails a dead actor's pending calls). The
 watch matters: MLX's ring can wait forever in a collective whose peer died before it began (seen in 1 of
-7 kills on this box), so rank 0 fails its requests from the watch's thread without waiting on the model
+7 kills on this box), so the leader fails its requests from the watch's thread without waiting on the model
 thread (ShardedScheduler.abandon); its health check then fails and Serve replaces it whole.
 """
 
@@ -47,28 +50,33 @@ def rank_address() -> str:
 
 
 class ShardRank:
-    """Rank r > 0 of a sharded replica: the model's part on this node, following rank 0's turns."""
+    """A follower of a sharded replica (in bundle `bundle` > 0): the model's part on this node, following
+    the leader's turns. Its rank comes with `start`."""
 
-    def __init__(self, spec: ModelSpec, app: AppConfig, rank: int):
+    def __init__(self, spec: ModelSpec, app: AppConfig, bundle: int):
         from cluster.engine.sharded_scheduler import ShardedScheduler
 
-        self.spec, self.app, self.rank = spec, app, rank
+        self.spec, self.app, self.rank = spec, app, None
         self.node = current_node(app.data_dir)
-        self.scheduler = ShardedScheduler(name=f"mlx-fleet-{spec.name}-rank{rank}", batching=spec.batching,
+        self.scheduler = ShardedScheduler(name=f"mlx-fleet-{spec.name}-bundle{bundle}", batching=spec.batching,
                                    decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
                                    prefill_concurrency=spec.prefill_concurrency)
 
-    def address(self) -> str:
-        return rank_address()
+    def address(self) -> tuple[str, str]:
+        return rank_address(), self.node.node_id
 
-    def start(self, addresses: list[str]) -> dict:
-        """Join the group, load and shard the model, then follow rank 0 (returns once following)."""
+    def start(self, addresses: list[str], rank: int, leader: int) -> dict:
+        """Join the group as `rank` (`addresses` in rank order), load and shard the model, then follow the
+        leader's turns (returns once following)."""
+        from cluster.actors.node_store import disk_link
         from cluster.engine.lockstep import Lockstep
 
         t0 = time.monotonic()
+        self.rank = rank
+        link = disk_link(self.node, self.app)  # this node's disk tier: the rank spills its own blocks there
         group, rebuild = self.scheduler.run(lambda: load_rank(self.spec, self.app, self.node.data_dir,
-                                                              self.rank, addresses))
-        self.scheduler.join(Lockstep(group), rebuild)
+                                                              rank, addresses, link))
+        self.scheduler.join(Lockstep(group, leader), rebuild)
         log.info("rank %d of %s ready on node %s in %.1f s", self.rank, self.spec.name, self.node.node_id,
                  time.monotonic() - t0)
         return {"rank": self.rank, "node_id": self.node.node_id, "node_name": self.node.name}
@@ -77,14 +85,17 @@ class ShardRank:
         return self.scheduler.alive
 
     def until_stopped(self) -> None:
-        """Return when this rank's model thread ends (rank 0's watch: a dead actor fails this call at once)."""
+        """Return when this rank's model thread ends (the leader's watch: a dead actor fails this call at once)."""
         self.scheduler.wait_stopped()
 
 
-def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str]):
-    """A follower's model thread: its group, its part of the model, its own prefix cache (RAM), and how it
-    rebuilds rank 0's requests. Each step runs at the same point as rank 0's (replica.py `_load`): the
-    cache's probes are forwards, whose collectives pair up with rank 0's."""
+def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str], link=None):
+    """A follower's model thread: its group, its part of the model, its own prefix cache (RAM, and `link`, its
+    node's disk tier, or None), and how it rebuilds the leader's requests. Each step runs at the same point as
+    the leader's (replica.py `_load`): the cache's probes are forwards, whose collectives pair up.
+
+    Its spills are written through as blocks are made (the leader holds its own until its model thread is
+    idle: a follower waits inside the next turn's collective then, with no idle time of its own to spill in)."""
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -103,7 +114,7 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     model_dir = resolve_model(spec.source, Path(app.data_dir).expanduser())
     model, tokenizer = load(str(model_dir), lazy=True)
     shard(model, group, spec.shard_mode)
-    pc = cache_on_every_rank(setup_cache(model, tokenizer, model_dir, app.cache, node_dir,
+    pc = cache_on_every_rank(setup_cache(model, tokenizer, model_dir, app.cache, node_dir, store_link=link,
                                          prefill_step=spec.prefill_step_tokens,
                                          shard=geometry(spec.shard_mode, spec.shards, rank)), group).cache
     schedule = pc.schedule if pc is not None else \
@@ -113,8 +124,8 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     grammars = Grammars(tokenizer._tokenizer)
 
     def rebuild(prompt, params, prefill_step, cached):
-        if cached and pc is None:  # rank 0 has a cache and this rank none: they would part, so stop here
-            raise RuntimeError(f"rank {rank} of {spec.name} has no prefix cache but rank 0 restores from one")
+        if cached and pc is None:  # the leader has a cache and this rank none: they would part, so stop here
+            raise RuntimeError(f"rank {rank} of {spec.name} has no prefix cache but its leader restores from one")
         session = BlockSession(pc, prompt, None, restore) if cached else ColdSession(model, new_caches, schedule)
         seq = Sequence(prompt, params, model, tokenizer, session, prefill_step, grammars)
         seq.compile_grammar()
@@ -122,10 +133,9 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     return group, rebuild
 
 
-def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[str]]:
-    """Rank 0's side: the follower actors in this replica's placement group and every rank's address.
-
-    Returns (actors, addresses in rank order, rank 0's first)."""
+def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[tuple[str, str]]]:
+    """The leader's side: the follower actors in this replica's placement group, and every participant's
+    (`ip:port`, node id), the leader's first, then the followers' in bundle order."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = ray.util.get_current_placement_group()
@@ -134,55 +144,60 @@ def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[str]]:
     remote = ray.remote(ShardRank)
     actors = [remote.options(
         num_cpus=0, resources={NODE_RESOURCE: RANK_RESOURCE_SHARE},
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
         max_concurrency=4,  # `until_stopped` waits for the whole life of the rank, beside `start` and `alive`
-        name=None).remote(spec, app, r) for r in range(1, spec.shards)]
-    addresses = [rank_address()] + ray.get([a.address.remote() for a in actors], timeout=START_TIMEOUT_S)
-    return actors, addresses
+        name=None).remote(spec, app, b) for b in range(1, spec.shards)]
+    return actors, ray.get([a.address.remote() for a in actors], timeout=START_TIMEOUT_S)
 
 
 class ShardGroup:
-    """Rank 0's side of a sharded replica: its followers, every rank's address, and the group once joined."""
+    """The leader's side of a sharded replica (the Serve replica, on node `node_id`): its followers, every
+    rank's address, its own rank, and the group once joined."""
 
-    def __init__(self, spec: ModelSpec, app: AppConfig, model_dir: Path):
-        from cluster.engine.sharding import check_shardable
+    def __init__(self, spec: ModelSpec, app: AppConfig, model_dir: Path, node_id: str):
+        from cluster.engine.sharding import check_shardable, ranks_by_node
         from cluster.models.resolve import read_config
 
         config = read_config(model_dir)
         mode = check_shardable(config.get("model_type", "?"), spec.shard_mode, spec.shards, config)
         self.spec = spec.model_copy(update={"shard_mode": mode})  # auto resolved: every rank splits the same way
         spec = self.spec
-        self.actors, self.addresses = start_ranks(spec, app)
-        self._starts = [a.start.remote(self.addresses) for a in self.actors]  # they join as rank 0 does
+        self.actors, theirs = start_ranks(spec, app)
+        joined = [(rank_address(), node_id), *theirs]
+        ranks = ranks_by_node([n for _, n in joined])
+        self.rank = ranks[0]  # the leader's
+        self.addresses = [a for _, (a, _) in sorted(zip(ranks, joined))]  # in rank order, as the hostfile lists them
+        self._starts = [a.start.remote(self.addresses, r, self.rank) for a, r in zip(self.actors, ranks[1:])]
         self.group = None
         self.ranks: list[dict] = []
 
-    def geometry(self, rank: int = 0) -> dict:
+    def geometry(self) -> dict:
+        """The leader's place in the model (its cache's fingerprint names it)."""
         from cluster.engine.sharding import geometry
 
-        return geometry(self.spec.shard_mode, self.spec.shards, rank)
+        return geometry(self.spec.shard_mode, self.spec.shards, self.rank)
 
     def load(self, model_dir: Path, node_dir: Path):
-        """Rank 0's model thread: join the group, load the model lazily and keep rank 0's part."""
+        """The leader's model thread: join the group, load the model lazily and keep its own part."""
         from mlx_lm import load
 
         from cluster.engine.sharding import hostfile, init_group, shard
 
-        self.group = init_group(0, hostfile(self.addresses, Path(node_dir)))
+        self.group = init_group(self.rank, hostfile(self.addresses, Path(node_dir)))
         model, tokenizer = load(str(model_dir), lazy=True)
         shard(model, self.group, self.spec.shard_mode)
         return model, tokenizer
 
     def lead(self, scheduler) -> None:
-        """Once every follower is following: rank 0's scheduler leads the turns from now on."""
+        """Once every follower is following: the leader's scheduler leads the turns from now on."""
         from cluster.engine.lockstep import Lockstep
 
         self.ranks = ray.get(self._starts, timeout=START_TIMEOUT_S)
-        scheduler.join(Lockstep(self.group))
+        scheduler.join(Lockstep(self.group, self.rank))
         self._watch(scheduler)
 
     def _watch(self, scheduler) -> None:
-        """A thread (no MLX work) that abandons rank 0's scheduler the moment a follower ends while it serves."""
+        """A thread (no MLX work) that abandons the leader's scheduler the moment a follower ends while it serves."""
         import threading
 
         waits = {a.until_stopped.remote(): r for a, r in zip(self.actors, self.ranks)}
@@ -210,5 +225,7 @@ class ShardGroup:
             raise RuntimeError(f"rank(s) {dead} of {self.spec.name} lost their model thread")
 
     def stats(self, node: dict) -> dict:
+        """`nodes`: the leader's (`node`) first, then its followers', each with its rank."""
         return {"size": self.spec.shards, "mode": self.spec.shard_mode,
-                "nodes": [node] + [{"node_id": r["node_id"], "node_name": r["node_name"]} for r in self.ranks]}
+                "nodes": [{**node, "rank": self.rank}] + [{"node_id": r["node_id"], "node_name": r["node_name"],
+                                                           "rank": r["rank"]} for r in self.ranks]}

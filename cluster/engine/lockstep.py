@@ -6,19 +6,19 @@ forwards, with the same shapes, in the same order. The scheduler decides its for
 enters it (requests, cancellations) and from nothing else that differs between processes (token
 budgets, not clocks; greedy or seeded sampling on logits every rank holds whole). So:
 
-    rank 0 (the replica)                       rank r > 0 (a follower)
+    the leader (the replica's rank)            every other rank (a follower)
     inbox -> drained items ----share(items)--> the same items -> the same jobs (no one listens)
     turn: admit, prefill, decode    <-all_sum->  turn: admit, prefill, decode
 
-- Rank 0 shares, before a turn, what its inbox brought: each new request as plain data (its prompt
+- The leader shares, before a turn, what its inbox brought: each new request as plain data (its prompt
   and parameters, with the seed of a sampled request fixed first so that every rank draws the same
   tokens) and each cancellation. A follower rebuilds the request as a Sequence of its own and runs
-  the same turn. A turn with nothing to run is not shared: an idle rank 0 sends nothing, and the
+  the same turn. A turn with nothing to run is not shared: an idle leader sends nothing, and the
   followers wait in the collective.
 - The share is itself a collective on the model thread: the payload's size, then its bytes, each an
-  `all_sum` to which only rank 0 adds anything (as mlx_lm.server shares its requests). It is
+  `all_sum` to which only the leader adds anything (as mlx_lm.server shares its requests). It is
   msgpack, never pickle: nothing that crosses a process is unpickled.
-- Stopping is an item too: rank 0's scheduler stops, and its followers after it.
+- Stopping is an item too: the leader's scheduler stops, and its followers after it.
 
 What each rank restores from a prefix cache must be the same number of tokens, or the ranks' shapes
 part: a request says whether it uses the cache, and the ranks' sessions agree on what they restore
@@ -40,19 +40,22 @@ STOP = "stop"
 
 
 class Lockstep:
-    """The ranks' shared turns over one mx.distributed group; rank 0 leads."""
+    """The ranks' shared turns over one mx.distributed group; `leader` (the replica's rank) leads.
 
-    def __init__(self, group):
+    Any rank can lead: a share is a sum to which only the leader adds. A sharded replica's ranks follow its
+    nodes (sharding.py `ranks_by_node`), so the replica, which leads, is not always rank 0."""
+
+    def __init__(self, group, leader: int = 0):
         self.group = group
-        self.rank, self.size = group.rank(), group.size()
+        self.rank, self.size, self.leader = group.rank(), group.size(), leader
         self.shared = 0  # turns shared (status)
 
     @property
     def leads(self) -> bool:
-        return self.rank == 0
+        return self.rank == self.leader
 
     def share(self, items: list | None = None) -> list:
-        """Rank 0 sends `items`; every other rank gets them. Every rank calls it at the same point of its loop."""
+        """The leader sends `items`; every other rank gets them. Every rank calls it at the same point of its loop."""
         import mlx.core as mx
         import numpy as np
 
@@ -72,7 +75,7 @@ def group_lost(e: BaseException) -> bool:
 
 
 def fix_seed(seq: Sequence) -> None:
-    """A sampled request without a seed gets one now, on rank 0, so that every rank draws the same tokens."""
+    """A sampled request without a seed gets one now, on the leader, so that every rank draws the same tokens."""
     import os
 
     s = seq.params.sampling

@@ -1,13 +1,13 @@
 """The scheduler of one rank of a sharded model: its turns run in lockstep with the other ranks' (lockstep.py).
 
 Until `join`, it is a plain Scheduler (the model loads on its thread). Then:
-- rank 0 records what its inbox brings (each new request, with a sampled one's seed fixed first, and each
+- the leader records what its inbox brings (each new request, with a sampled one's seed fixed first, and each
   cancellation) and shares it before the turn that takes it in; a turn with nothing to run is not shared;
-- a follower takes each turn's items from rank 0, rebuilds the requests and runs the same turn;
+- a follower takes each turn's items from the leader, rebuilds the requests and runs the same turn;
 - a lost rank (MLX's backend says "connection to a peer was lost") breaks the replica: every request gets a
-  retryable 503 from then on, a follower stops, and rank 0's health check fails so Serve replaces it whole;
-- rank 0 stopping stops its followers;
-- a rank found dead from outside (rank 0's watch on its followers' actors: shard_rank.py) `abandon`s the
+  retryable 503 from then on, a follower stops, and the leader's health check fails so Serve replaces it whole;
+- the leader stopping stops its followers;
+- a rank found dead from outside (the leader's watch on its followers' actors: shard_rank.py) `abandon`s the
   replica from that thread: MLX's ring can wait forever in a collective whose peer died before it began,
   and no collective can be interrupted, so the requests are failed without the model thread, which is
   left stuck until Serve replaces the replica (its followers die with it, as Ray's children).
@@ -61,10 +61,10 @@ class ShardedScheduler(Scheduler):
                 emit([Failed(self.broken, status=503)])
 
     def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None) -> None:
-        """From now on run in lockstep with the other ranks: rank 0 leads, the others follow (they need `rebuild`)
-        until rank 0 stops. Call it once the model is loaded, before any request."""
+        """From now on run in lockstep with the other ranks: the leader leads, the others follow (they need `rebuild`)
+        until the leader stops. Call it once the model is loaded, before any request."""
         if not lockstep.leads and rebuild is None:
-            raise ValueError("a follower rank needs a way to rebuild rank 0's requests")
+            raise ValueError("a follower rank needs a way to rebuild the leader's requests")
 
         def set_() -> None:
             self.lockstep, self._rebuild = lockstep, rebuild
@@ -108,10 +108,10 @@ class ShardedScheduler(Scheduler):
             self._turn_items = []
 
     def _follow(self) -> bool:
-        """A follower's turn: rank 0's items, applied as rank 0 applied them; False when there is no turn to run."""
+        """A follower's turn: the leader's items, applied as the leader applied them; False when no turn runs."""
         try:
             items = self.lockstep.share(None)
-        except RuntimeError as e:  # rank 0 is gone
+        except RuntimeError as e:  # the leader is gone
             if not group_lost(e):
                 raise
             self._lost(e)

@@ -10,7 +10,8 @@ A sharded replica (`shards: N`) runs one rank per node. Every rank:
      last), receives the hidden state from the rank before, sends it on, and the last stage's output is
      gathered to every rank (one send per forward: slow links do; the ranks take turns, so one request
      does not run faster); every layer is computed whole, so the logits are the whole model's, bitwise;
-3. runs the same scheduler turns as every other rank (lockstep.py).
+3. runs the same scheduler turns as every other rank (lockstep.py), led by the replica's rank, which is
+   not always rank 0: a rank is its node's (`ranks_by_node`).
 
 Tensor parallel needs the family's `shard` in mlx-lm (qwen3, llama, qwen3_5, qwen3_moe ...), pipeline its
 `pipeline` (qwen3_5, qwen3_next, qwen3_moe, qwen2, the DeepSeek ones ...) and send/recv, which MLX's CUDA
@@ -113,6 +114,14 @@ def _cuda() -> bool:
 
     cuda = getattr(mx, "cuda", None)
     return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
+
+
+def ranks_by_node(node_ids: list[str]) -> list[int]:
+    """Each participant's rank, by the order of its node's persistent id (the replica's first, then its
+    followers'): a node keeps its rank whenever a replica over the same nodes starts again, whichever of them
+    Serve puts the replica on, so the blocks on its disk, which name their rank, are its own again."""
+    order = sorted(range(len(node_ids)), key=lambda i: node_ids[i])
+    return [order.index(i) for i in range(len(node_ids))]
 
 
 def hostfile(addresses: list[str], directory: Path) -> Path:

@@ -30,7 +30,8 @@ def render(status: dict) -> str:
         if r.get("shards"):
             sh = r["shards"]
             lines.append(f"      shards: {sh['size']} ({sh['mode']} parallel) over "
-                         + ", ".join(f"rank {i} {n['node_id']}" for i, n in enumerate(sh["nodes"])))
+                         + ", ".join(f"rank {n.get('rank', i)} {n['node_id']}" + (" (leads)" if i == 0 else "")
+                                     for i, n in enumerate(sh["nodes"])))
         lines.append("      " + _cache_line(r.get("cache", {})))
         if (r.get("cache") or {}).get("enabled"):
             lines.append("      " + _hot_path_line(r["cache"]))

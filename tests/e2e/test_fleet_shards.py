@@ -3,7 +3,7 @@
 Its prefix cache: each rank keeps its own heads' blocks, and a repeated prompt is restored on both, the
 sharded replica's own cold answer bitwise (kvcache/shard_restore.py).
 
-One replica spans both nodes: Serve's replica is rank 0 on one, a ShardRank actor rank 1 on the other,
+One replica spans both nodes: Serve's replica (the leader) on one, a ShardRank actor (the follower) on the other,
 tensor parallel over MLX's ring backend. Its answers are checked against mlx_lm.server serving the whole
 model from the same files: tensor-parallel sums round differently, so the bar is the issue's (at least 9
 of 10 greedy answers identical, logprobs within 1e-4 in float32) and the test says what it measured.
@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from cluster.bench.batch import MlxLmServer
+from cluster.engine.sharding import ranks_by_node
 from tests.local_fleet import LocalFleet, route_of
 
 pytestmark = pytest.mark.fleet
@@ -52,8 +53,9 @@ def test_one_replica_spans_both_nodes_and_says_so(fleet):
     shards = replica["shards"]
     assert (shards["size"], shards["mode"]) == (2, "tensor")
     assert len({n["node_id"] for n in shards["nodes"]}) == 2
-    assert replica["node_id"] == shards["nodes"][0]["node_id"]
-    cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM (no disk or pulls yet); rank 0 announces
+    assert replica["node_id"] == shards["nodes"][0]["node_id"]  # the leader's first; ranks follow the node ids
+    assert [n["rank"] for n in shards["nodes"]] == ranks_by_node([n["node_id"] for n in shards["nodes"]])
+    cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM and on its disk; the leader announces
     assert cache["enabled"] and cache["migration"] is None and cache["index"] is not None
     assert cache["shard_restore"] == {"agreed": 0, "cut_short": 0, "dropped": 0}
 
@@ -81,7 +83,7 @@ def test_a_repeated_prompt_is_restored_on_both_ranks_and_is_the_cold_answer_bitw
     assert [r.status_code for r in (first, again, cold)] == [200] * 3
     cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again, cold)]
     assert cached[0] == 0 and cached[1] >= 256 and cached[2] == 0, cached
-    # The router found the prefix in the fleet index, announced by rank 0, on the replica's node
+    # The router found the prefix in the fleet index, announced by the leader, on the replica's node
     assert route_of(again.headers)["local"] == str(cached[1]) and route_of(again.headers)["reason"] == "hit", \
         again.headers["x-fleet-route"]
     # Bitwise: every logprob of every step, the chosen tokens' and the top 5, as the sharded cold runs give
@@ -103,7 +105,7 @@ def shard_restore(fleet) -> dict:
     raise AssertionError("the replica's lease was not renewed in 30 s")
 
 
-def rank1(fleet):
+def follower(fleet):
     [p] = [p for p in fleet.processes() if p.name().startswith("ray::ShardRank")]
     return p
 
@@ -121,14 +123,14 @@ def back_whole(fleet, killed) -> list[int]:
         time.sleep(2)
     assert codes[-1] == 200, codes
     assert len(got.headers["x-fleet-node"].split(",")) == 2
-    assert rank1(fleet).pid != killed.pid
+    assert follower(fleet).pid != killed.pid
     return codes
 
 
 def test_a_killed_rank_fails_its_requests_at_once_and_the_replica_comes_back_whole(fleet):
-    """kill -9 of rank 1 under load: the request in flight ends with an error at once (no hang), later ones get
+    """kill -9 of the follower under load: the request in flight ends with an error at once (no hang), later ones get
     a retryable 503 until Serve has replaced the replica, and then the fleet answers again, from both nodes."""
-    killed = rank1(fleet)
+    killed = follower(fleet)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 2000,
                 "temperature": 0.0}
@@ -144,10 +146,10 @@ def test_a_killed_rank_fails_its_requests_at_once_and_the_replica_comes_back_who
 
 
 def test_a_rank_killed_while_idle_fails_the_next_request_at_once(fleet):
-    """The collective that rank 0 would start for the next request could wait forever on the dead peer (MLX's
-    ring, sometimes): rank 0's watch on its followers has already failed the replica, so the request gets a
+    """The collective that the leader would start for the next request could wait forever on the dead peer (MLX's
+    ring, sometimes): the leader's watch on its followers has already failed the replica, so the request gets a
     retryable 503 at once."""
-    killed = rank1(fleet)
+    killed = follower(fleet)
     killed.kill()
     time.sleep(1.0)
     t0 = time.monotonic()
@@ -157,3 +159,37 @@ def test_a_rank_killed_while_idle_fails_the_next_request_at_once(fleet):
     assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text)
     assert "was lost" in r.json()["error"]["message"], r.text
     back_whole(fleet, killed)
+
+
+def disk_blocks(fleet) -> dict[str, int]:
+    """Blocks on each node's disk (its node store's stats, as status shows them)."""
+    status = httpx.get(fleet.url + "/v1/fleet/status", timeout=30).json()
+    return {n["node_id"]: n["disk"]["blocks"] for n in status["nodes"] if n.get("disk")}
+
+
+def test_a_replaced_replica_restores_from_both_ranks_disks_and_is_the_cold_answer_bitwise(fleet):
+    """Each rank spills its own heads' blocks to its own node's disk; a replica replaced whole (RAM gone on
+    both ranks, and Serve may put it on the other node: each node keeps its rank) restores the prompt from
+    the two disks, agreed between the ranks, bitwise the cold answer."""
+    body = {"model": MODEL, "prompt": " ".join(["Each rank spills its own heads to its own disk."] * 30),
+            "max_tokens": 12, "temperature": 0, "logprobs": 5}
+    before = disk_blocks(fleet)
+    first = httpx.post(fleet.url + "/v1/completions", json=body, timeout=120)
+    assert first.status_code == 200 and first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    blocks = first.json()["usage"]["prompt_tokens"] // 64  # the prompt's whole 64-token blocks
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the leader spills once idle, the follower as it makes them
+        now = disk_blocks(fleet)
+        if len(now) == 2 and all(now[n] - before.get(n, 0) >= blocks for n in now):
+            break
+        time.sleep(0.5)
+    assert len(now) == 2 and all(now[n] - before.get(n, 0) >= blocks for n in now), (before, now, blocks)
+
+    killed = follower(fleet)
+    killed.kill()  # Serve replaces the replica whole: both ranks start with empty RAM
+    back_whole(fleet, killed)
+    again = httpx.post(fleet.url + "/v1/completions", json=body, timeout=120)
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, again.json()["usage"]
+    assert route_of(again.headers)["reason"] == "hit", again.headers["x-fleet-route"]  # the leader's disk, re-announced
+    assert again.json()["choices"][0]["logprobs"] == first.json()["choices"][0]["logprobs"]

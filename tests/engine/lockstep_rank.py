@@ -1,16 +1,18 @@
 """One rank of a two-process sharded model, for tests/engine/test_lockstep.py.
 
-    python -m tests.engine.lockstep_rank RANK HOSTFILE MODEL DATA_DIR OUT.json [MODE]
+    python -m tests.engine.lockstep_rank RANK HOSTFILE MODEL DATA_DIR OUT.json [MODE [LEADER]]
 
 Each rank starts MLX's ring backend over loopback, loads the built-in MODEL and shards it (MODE: tensor,
-the default, or pipeline parallel) on its scheduler's model thread, then joins the lockstep. Rank 0 serves the requests below
-(every request at once, batched; one sampled without a seed; one cancelled after its third token),
-and, before sharding, runs each greedy one alone on the whole model as the reference. Every rank
-writes what each request generated, so the test can check that the ranks agree token for token.
+the default, or pipeline parallel) on its scheduler's model thread, then joins the lockstep. The leader
+(rank LEADER, 0 by default: a replica leads whatever its rank) serves the requests below (every request
+at once, batched; one sampled without a seed; one cancelled after its third token), and, before
+sharding, runs each greedy one alone on the whole model as the reference. Every rank writes what each
+request generated, so the test can check that the ranks agree token for token.
 
-Then the prefix cache, each rank its own (RAM, its own heads, its rank in the fingerprint): rank 0 serves
-one prompt cold, again (restored on both ranks), and a third time after rank 1 has dropped its blocks
-(rank 1 does so when it rebuilds that request): the ranks then agree on nothing and both prefill cold.
+Then the prefix cache, each rank its own (RAM, its own heads, its rank in the fingerprint): the leader
+serves one prompt cold, again (restored on both ranks), and a third time after the follower has dropped
+its blocks (it does so when it rebuilds that request): the ranks then agree on nothing and both prefill
+cold.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def prompt_of(n: int, salt: int) -> list[int]:
 def main() -> int:
     rank, hostfile, name, data_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
     mode = sys.argv[6] if len(sys.argv) > 6 else "tensor"
+    leader = int(sys.argv[7]) if len(sys.argv) > 7 else 0  # the rank that serves (a replica's is its node's)
+    leads = rank == leader
     os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(rank), hostfile
     import mlx.core as mx
     from mlx_lm import load
@@ -72,7 +76,7 @@ def main() -> int:
 
     prompts = [prompt_of(n, i) for i, n in enumerate(PROMPT_LENGTHS)]
     result = {"rank": rank, "size": group.size()}
-    if rank == 0:  # the whole model's answers, each request alone
+    if leads:  # the whole model's answers, each request alone
         def alone():
             answers = []
             for p in prompts:
@@ -90,7 +94,7 @@ def main() -> int:
         setup = setup_cache(model, tok, resolve_model(name, data_dir), CacheConfig(block_tokens=32, ram_bytes=1 << 30),
                             Path(out).parent / f"cache{rank}", prefill_step=64,
                             shard=geometry(mode, 2, rank))  # its probes are forwards: both ranks, here
-        alone = cache_on_every_rank(setup if rank == 0 else CacheSetup(None, None, "off"), group)  # one rank without
+        alone = cache_on_every_rank(setup if leads else CacheSetup(None, None, "off"), group)  # one rank without
         result["alone"] = alone.disabled_reason if alone.cache is None else "kept"
         return cache_on_every_rank(setup, group).cache
     pc = scheduler.run(shard)
@@ -107,8 +111,8 @@ def main() -> int:
         generated[str(len(generated))] = s.generated  # the same object: filled as the follower decodes
         return s
 
-    scheduler.join(Lockstep(group), rebuild)
-    if rank == 0:
+    scheduler.join(Lockstep(group, leader), rebuild)
+    if leads:
         seqs = [seq(p, greedy(GREEDY)) for p in prompts]
         seqs.append(seq(prompts[3], GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0))))
         cancel = seq(prompts[1], greedy(40))
@@ -118,7 +122,7 @@ def main() -> int:
         result["cancelled_after"] = len(cancel.generated)
         result["generated"] = [cancel.generated] + [s.generated for s in seqs]  # in the order submitted
         cached = []
-        for i in range(3):  # cold, restored, and (rank 1's blocks gone) cold on both ranks
+        for i in range(3):  # cold, restored, and (the follower's blocks gone) cold on both ranks
             params = GenerationParams(max_tokens=GREEDY, record_logits=True)
             prefetch = admission.fetch(CACHED_PROMPT)
             s = Sequence(CACHED_PROMPT, params, model, tok, BlockSession(pc, CACHED_PROMPT, prefetch, restore), 64)
@@ -132,7 +136,7 @@ def main() -> int:
         result["restore"] = restore.stats()
         scheduler.stop()
     else:
-        while scheduler.alive:  # until rank 0 stops: its last item stops this rank too
+        while scheduler.alive:  # until the leader stops: its last item stops this rank too
             time.sleep(0.05)
         result["generated"] = [generated[str(i)] for i in range(len(generated))]
         result["restore"] = restore.stats()

@@ -1,8 +1,8 @@
 """A model sharded over two processes (tensor parallel over MLX's ring backend on loopback), in lockstep.
 
-Each rank is a real process with its own scheduler (tests/engine/lockstep_rank.py): rank 0 serves ten
-greedy requests, a sampled one and one cancelled mid-way, all batched; rank 1 only follows the turns rank 0
-shares. Tensor-parallel sums round differently from the whole model's: the agreement is measured, and the
+Each rank is a real process with its own scheduler (tests/engine/lockstep_rank.py): the leader (rank 0
+or 1) serves ten greedy requests, a sampled one and one cancelled mid-way, all batched; the other rank only
+follows the turns the leader shares. Tensor-parallel sums round differently from the whole model's: the agreement is measured, and the
 bar is the issue's (9 of 10 greedy answers, first-token logprobs within 1e-4 in float32). Then each
 rank's prefix cache: restored on both ranks or on none (kvcache/shard_restore.py).
 """
@@ -17,12 +17,13 @@ import pytest
 from cluster.ports import free_port
 
 
-def run_ranks(name: str, data_dir: Path, tmp_path: Path, mode: str = "tensor") -> list[dict]:
+def run_ranks(name: str, data_dir: Path, tmp_path: Path, mode: str = "tensor", leader: int = 0) -> list[dict]:
+    """Both ranks' results, the leader's first."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.engine.lockstep_rank", str(r), str(hostfile), name,
-                               str(data_dir), str(outs[r]), mode], cwd=Path(__file__).parents[2])
+                               str(data_dir), str(outs[r]), mode, str(leader)], cwd=Path(__file__).parents[2])
              for r in range(2)]
     try:
         codes = [p.wait(timeout=90) for p in procs]
@@ -30,14 +31,17 @@ def run_ranks(name: str, data_dir: Path, tmp_path: Path, mode: str = "tensor") -
         for p in procs:
             p.kill()
     assert codes == [0, 0]
-    return [json.loads(o.read_text()) for o in outs]
+    results = [json.loads(o.read_text()) for o in outs]
+    return [results[leader], results[1 - leader]]
 
 
-@pytest.mark.parametrize("name, mode", [("tiny-dense", "tensor"), ("tiny-hybrid", "tensor"),
-                                        ("tiny-hybrid", "pipeline"), ("tiny-next", "pipeline")])
-def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, data_dir, load_builtin, tmp_path):
+# A replica's rank is its node's (sharding.py ranks_by_node), so rank 1 leads in some: here in one of each mode
+@pytest.mark.parametrize("name, mode, lead", [("tiny-dense", "tensor", 0), ("tiny-hybrid", "tensor", 1),
+                                              ("tiny-hybrid", "pipeline", 0), ("tiny-next", "pipeline", 1)])
+def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, lead, data_dir, load_builtin, tmp_path):
     load_builtin(name)  # built in the session's data dir before the ranks load it
-    leader, follower = run_ranks(name, data_dir, tmp_path, mode)
+    leader, follower = run_ranks(name, data_dir, tmp_path, mode, lead)
+    assert (leader["rank"], follower["rank"]) == (lead, 1 - lead)
     assert (leader["size"], follower["size"]) == (2, 2)
     # Every request, the sampled and the cancelled ones included, decoded the same tokens on both ranks.
     assert follower["generated"] == leader["generated"]
@@ -52,9 +56,9 @@ def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, data_dir, load
     if mode == "pipeline":  # every layer computed whole, on one rank: the whole model's answers, bitwise
         assert same == 10 and max(gaps) == 0.0, (same, gaps)
     # The prefix cache, each rank its own heads' blocks: a repeated prompt is restored on both ranks, bitwise
-    # the sharded model's own cold run; once rank 1 has lost its blocks, the ranks agree on nothing and both
+    # the sharded model's own cold run; once the follower has lost its blocks, the ranks agree on nothing and both
     # prefill cold (a rank restoring alone would part their shapes and hang their collectives).
-    # A rank without a cache turns it off on every rank, at start (here rank 1 said "off").
+    # A rank without a cache turns it off on every rank, at start (here the follower said "off").
     assert leader["alone"].startswith("another rank of this sharded replica runs without a prefix cache")
     assert follower["alone"] == "off"
     cold, warm, dropped = leader["cached"]

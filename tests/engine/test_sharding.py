@@ -5,7 +5,7 @@ The two-process runs of each mode are in test_lockstep.py; here, what is decided
 
 import pytest
 
-from cluster.engine.sharding import UnshardableModel, check_shardable, families, geometry
+from cluster.engine.sharding import UnshardableModel, check_shardable, families, geometry, ranks_by_node
 from cluster.models.catalog import BUILTINS
 
 
@@ -50,3 +50,10 @@ def test_a_split_the_model_cannot_take_names_the_values_that_fit():
 
 def test_a_ranks_geometry_names_mode_size_and_rank():
     assert geometry("pipeline", 2, 1) == {"mode": "pipeline", "size": 2, "rank": 1}
+
+
+def test_a_node_keeps_its_rank_whichever_node_the_replica_lands_on():
+    # The leader's node first, then its followers': ranks follow the node ids, so node-0 is rank 0 both times
+    assert ranks_by_node(["node-1-5e6f", "node-0-1a2b"]) == [1, 0]
+    assert ranks_by_node(["node-0-1a2b", "node-1-5e6f"]) == [0, 1]
+    assert ranks_by_node(["c", "a", "d", "b"]) == [2, 0, 3, 1]
