@@ -14,8 +14,10 @@ A sharded replica (`shards: N`) runs one rank per node. Every rank:
    not always rank 0: a rank is its node's (`ranks_by_node`).
 
 Tensor parallel needs the family's `shard` in mlx-lm (qwen3, llama, qwen3_5, qwen3_moe ...), pipeline its
-`pipeline` (qwen3_5, qwen3_next, qwen3_moe, qwen2, the DeepSeek ones ...) and send/recv, which MLX's CUDA
-backend lacks. qwen3_next has only pipeline. `auto` takes tensor where the family has it, else pipeline. A model that cannot be split is
+`pipeline` (qwen3_5, qwen3_next, qwen3_moe, qwen2, the DeepSeek ones ...) and send/recv. The group is
+always ring, whose collectives and send/recv run on the CPU's communication stream, so both modes run on
+Metal, CUDA and the CPU (NCCL, MLX's CUDA-only backend, lacks send/recv; it is not used). qwen3_next has
+only pipeline. `auto` takes tensor where the family has it, else pipeline. A model that cannot be split is
 refused by name before any rank starts.
 """
 
@@ -103,17 +105,7 @@ def check_shardable(model_type: str, mode: str, shards: int, config: dict) -> st
         if layers and shards > layers:
             raise UnshardableModel(f"shards: {shards} is more than the model's {layers} layers; pipeline parallel "
                                    "gives every rank one layer at least")
-        if _cuda():
-            raise UnshardableModel("shard_mode: pipeline needs distributed send/recv, which MLX's CUDA backend "
-                                   "lacks; use shard_mode: tensor (Metal and the CPU have both)")
     return chosen
-
-
-def _cuda() -> bool:
-    import mlx.core as mx
-
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
 
 
 def ranks_by_node(node_ids: list[str]) -> list[int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.engine.schedule import on_gpu
 from cluster.ports import free_port
 
 
@@ -49,12 +50,16 @@ def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, lead, data_dir
     assert len(leader["sampled"]) == 12
     sharded, whole = leader["sharded"], leader["unsharded"]
     assert [s["finish"] for s in sharded] == ["length"] * 11
-    same = sum(a["tokens"] == b["tokens"] for a, b in zip(sharded, whole))
-    assert same >= 9, (same, [(a["tokens"], b["tokens"]) for a, b in zip(sharded, whole)])
-    gaps = [abs(a["first_logprob"] - b["first_logprob"]) for a, b in zip(sharded, whole)]
-    assert max(gaps) <= 1e-4, gaps
-    if mode == "pipeline":  # every layer computed whole, on one rank: the whole model's answers, bitwise
-        assert same == 10 and max(gaps) == 0.0, (same, gaps)
+    # The whole model's reference ran each request alone, the sharded ranks batched them: on a GPU a batched row
+    # rounds differently from its solo run in the default mode (tests/engine/batching.py), whatever the split,
+    # so the comparison says something about sharding on the CPU only (docs/gpu.md has the GPU's figures).
+    if not on_gpu():
+        same = sum(a["tokens"] == b["tokens"] for a, b in zip(sharded, whole))
+        assert same >= 9, (same, [(a["tokens"], b["tokens"]) for a, b in zip(sharded, whole)])
+        gaps = [abs(a["first_logprob"] - b["first_logprob"]) for a, b in zip(sharded, whole)]
+        assert max(gaps) <= 1e-4, gaps
+        if mode == "pipeline":  # every layer computed whole, on one rank: the whole model's answers, bitwise
+            assert same == 10 and max(gaps) == 0.0, (same, gaps)
     # The prefix cache, each rank its own heads' blocks: a repeated prompt is restored on both ranks, bitwise
     # the sharded model's own cold run; once the follower has lost its blocks, the ranks agree on nothing and both
     # prefill cold (a rank restoring alone would part their shapes and hang their collectives).
