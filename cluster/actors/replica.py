@@ -55,7 +55,7 @@ class ModelReplica:
         self.spec = spec
         self.node = current_node(app.data_dir)
         self.started = time.time()
-        link = self._disk_link(app)  # a sharded replica's rank 0: its own node's, as each rank takes its own
+        link = self._disk_link(app)  # a sharded replica's leader: its own node's, as each rank takes its own
         self.scheduler = (ShardedScheduler if spec.shards > 1 else Scheduler)(
             name=f"mlx-fleet-{spec.name}", batching=spec.batching,
             decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
@@ -92,7 +92,7 @@ class ModelReplica:
         self.streams = 0  # requests streaming from this replica now (its event loop only)
         self.lease = None
         if app.redis_url:  # the publisher first: the lease's first write already shows its counters
-            if self.cache.cache is not None:  # a sharded replica: rank 0 announces, its ranks hold the same blocks
+            if self.cache.cache is not None:  # a sharded replica: the leader announces, its ranks hold the same blocks
                 self.publisher = self._publish(app)
             self.lease = LeaseWriter(app.redis_url, spec.name, self.node.node_id, app.lease_ttl_s, self.stats,
                                      app.redis, node_name=self.node.name)

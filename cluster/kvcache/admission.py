@@ -143,7 +143,7 @@ class Admission:
     def fetch_exactly(self, prompt: list[int], n: int) -> Prefetch:
         """`prompt`'s first n tokens from this process's tiers, or nothing (the result's n is 0): a rank of a
         sharded replica restores what the ranks agreed on or nothing, never another length. No restore-or-
-        recompute choice (rank 0 made it) and no pull."""
+        recompute choice (the leader made it) and no pull."""
         pc, planner = self.cache, self.cache.planner
         ids = chain_ids(pc.namespace, prompt, pc.B)
         if n <= 0:

@@ -6,7 +6,7 @@ the same turns (engine/lockstep.py), so they capture the same blocks; but a rank
 (evictions, a refused block), and a forward over different prefixes would part the ranks' shapes and
 hang their collectives. So on every cached request, at restore time on each model thread:
 
-1. every rank offers the most it can restore: rank 0 its admission's plan (its restore-or-recompute
+1. every rank offers the most it can restore: the leader its admission's plan (its restore-or-recompute
    choice included), a follower what its own tiers hold (`Admission.restorable`);
 2. the ranks take the least offer (`all_min`), and each fetches exactly that many tokens, or nothing;
 3. each builds its caches, and the ranks check that all of them did (`all_min` again); if one could not,
@@ -33,8 +33,9 @@ class ShardRestore:
         self.agreed = self.short = self.dropped = 0  # restores agreed, cut below this rank's offer, dropped
 
     def settle(self, prompt: list[int], prefetch: Optional[Prefetch]) -> Prefetch:
-        """What this rank restores: `prefetch` (rank 0's admission) if every rank can restore as much, else
-        exactly the tokens all can (this rank's tiers, read on the model thread: RAM, no disk here)."""
+        """What this rank restores: `prefetch` (the leader's admission) if every rank can restore as much,
+        else exactly the tokens all can (this rank's tiers, read on the model thread: RAM and, since each rank
+        has its node's disk tier, the disk too; a slow store holds every rank's turn, see docs/sharding.md)."""
         offer = prefetch.n if prefetch is not None else self.admission.restorable(prompt)
         n = self._least(offer)
         self.agreed += 1

@@ -1,4 +1,4 @@
-"""A sharded replica's scheduler abandoned from outside its model thread (rank 0's watch on its followers).
+"""A sharded replica's scheduler abandoned from outside its model thread (the leader's watch on its followers).
 
 MLX's ring can wait forever in a collective whose peer died before it began, and nothing interrupts a
 collective: so when the watch sees a rank die, the requests must end without the model thread. Here the
