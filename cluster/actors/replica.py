@@ -30,7 +30,7 @@ from cluster.actors.plan import GenerateRequest
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sharded_scheduler import ShardedScheduler
 from cluster.engine.sequence import Sequence
-from cluster.kvcache.admission import Admission
+from cluster.kvcache.admission import ADMISSION_THREADS, Admission
 from cluster.kvcache.index_publisher import IndexPublisher
 from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.session import BlockSession
@@ -43,7 +43,6 @@ from cluster.store.redis_client import connect
 
 log = logging.getLogger(__name__)
 
-ADMISSION_THREADS = 4
 METRICS_PERIOD_S = 5.0  # how often counters become metrics (Ray exports every 10 s)
 
 
@@ -253,6 +252,8 @@ class ModelReplica:
         so), before the model thread sees the request."""
         if self.admission is None:
             return ColdSession(self.model, self.new_caches, self.schedule)
+        if self.shard_restore is not None:  # each follower reads its own blocks of the prefix meanwhile
+            self.scheduler.read_ahead(prompt)
         prefetch = await self.admission.fetch_async(prompt, pull)
         return BlockSession(self.cache.cache, prompt, prefetch, self.shard_restore)
 
@@ -333,6 +334,9 @@ class ModelReplica:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.stop()  # first: its last idle work hands the spill backlog to the disk client
+        shards = getattr(self, "shards", None)
+        if shards is not None and shards.ranks and not (scheduler is not None and scheduler.broken):
+            shards.close()  # the followers' spills reach their disks too (the leader's last share stopped them)
         cache = getattr(self, "cache", None)
         disk = cache.cache.tiers.disk if cache is not None and cache.cache is not None else None
         if disk is not None:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import ray
 
@@ -58,25 +60,30 @@ class ShardRank:
 
         self.spec, self.app, self.rank = spec, app, None
         self.node = current_node(app.data_dir)
+        self.disk = None  # its prefix cache's disk client, once loaded (flushed when the rank stops)
         self.scheduler = ShardedScheduler(name=f"mlx-fleet-{spec.name}-bundle{bundle}", batching=spec.batching,
                                    decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
                                    prefill_concurrency=spec.prefill_concurrency)
 
     def address(self) -> tuple[str, str]:
+        """This rank's `ip:port` and node. Its node's disk tier is reached here too, before the leader waits
+        for every rank in the group's start."""
+        from cluster.actors.node_store import disk_link
+
+        self.link = disk_link(self.node, self.app)  # this node's disk tier: the rank spills its own blocks there
         return rank_address(), self.node.node_id
 
     def start(self, addresses: list[str], rank: int, leader: int) -> dict:
         """Join the group as `rank` (`addresses` in rank order), load and shard the model, then follow the
         leader's turns (returns once following)."""
-        from cluster.actors.node_store import disk_link
         from cluster.engine.lockstep import Lockstep
 
         t0 = time.monotonic()
         self.rank = rank
-        link = disk_link(self.node, self.app)  # this node's disk tier: the rank spills its own blocks there
-        group, rebuild = self.scheduler.run(lambda: load_rank(self.spec, self.app, self.node.data_dir,
-                                                              rank, addresses, link))
-        self.scheduler.join(Lockstep(group, leader), rebuild)
+        parts = self.scheduler.run(lambda: load_rank(self.spec, self.app, self.node.data_dir, rank, addresses,
+                                                     getattr(self, "link", None)))
+        self.disk = parts.disk
+        self.scheduler.join(Lockstep(parts.group, leader), parts.rebuild, parts.read_ahead)
         log.info("rank %d of %s ready on node %s in %.1f s", self.rank, self.spec.name, self.node.node_id,
                  time.monotonic() - t0)
         return {"rank": self.rank, "node_id": self.node.node_id, "node_name": self.node.name}
@@ -88,14 +95,37 @@ class ShardRank:
         """Return when this rank's model thread ends (the leader's watch: a dead actor fails this call at once)."""
         self.scheduler.wait_stopped()
 
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """The leader stops (its last share stops this rank's model thread): let this rank's queued spills reach
+        its disk, as a leader's do, before the process goes. Whether they all did."""
+        stopped = self.scheduler.wait_stopped(timeout_s)
+        if self.disk is None:
+            return stopped
+        done = self.disk.flush(timeout_s=timeout_s)
+        self.disk.close()
+        return stopped and done
 
-def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str], link=None):
+
+@dataclass
+class Follower:
+    """What a follower's model thread set up (load_rank)."""
+
+    group: object  # its mx.distributed group
+    rebuild: Callable  # the leader's request -> this rank's Sequence (engine/lockstep.py)
+    read_ahead: Optional[Callable[[list[int]], None]]  # starts its read of a prompt's prefix (shard_restore.py)
+    disk: Optional[object]  # its cache's DiskClient, or None
+
+
+def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str],
+              link=None) -> Follower:
     """A follower's model thread: its group, its part of the model, its own prefix cache (RAM, and `link`, its
     node's disk tier, or None), and how it rebuilds the leader's requests. Each step runs at the same point as
     the leader's (replica.py `_load`): the cache's probes are forwards, whose collectives pair up.
 
     Its spills are written through as blocks are made (the leader holds its own until its model thread is
     idle: a follower waits inside the next turn's collective then, with no idle time of its own to spill in)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -104,7 +134,7 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     from cluster.engine.schedule import Schedule
     from cluster.engine.sequence import Sequence
     from cluster.engine.sharding import geometry, hostfile, init_group, shard
-    from cluster.kvcache.admission import Admission
+    from cluster.kvcache.admission import ADMISSION_THREADS, Admission
     from cluster.kvcache.session import BlockSession
     from cluster.kvcache.setup import setup_cache
     from cluster.kvcache.shard_restore import ShardRestore, cache_on_every_rank
@@ -120,7 +150,8 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     schedule = pc.schedule if pc is not None else \
         Schedule.of(app.cache.resume_at, app.cache.block_tokens, spec.prefill_step_tokens)
     new_caches = pc.new_caches if pc is not None else (lambda: make_prompt_cache(model))
-    restore = ShardRestore(Admission(pc), group) if pc is not None else None
+    restore = ShardRestore(Admission(pc), group, ThreadPoolExecutor(ADMISSION_THREADS, f"mlx-fleet-admit-r{rank}")) \
+        if pc is not None else None
     grammars = Grammars(tokenizer._tokenizer)
 
     def rebuild(prompt, params, prefill_step, cached):
@@ -130,7 +161,8 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
         seq = Sequence(prompt, params, model, tokenizer, session, prefill_step, grammars)
         seq.compile_grammar()
         return seq
-    return group, rebuild
+    return Follower(group, rebuild, restore.read_ahead if restore is not None else None,
+                    pc.tiers.disk if pc is not None else None)
 
 
 def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[tuple[str, str]]]:
@@ -214,6 +246,18 @@ class ShardGroup:
                 scheduler.abandon(f"rank {rank['rank']} of this sharded replica (node {rank['node_id']}) was lost "
                                   f"({how}); it is being replaced, retry shortly")
         threading.Thread(target=watch, name=f"mlx-fleet-{self.spec.name}-watch", daemon=True).start()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """After the leader's scheduler stopped (its last share stops the followers): wait, `timeout_s` at most,
+        for each follower to write its queued spills to its disk, before this process, and so its children, go."""
+        try:
+            done = ray.get([a.close.remote(timeout_s) for a in self.actors], timeout=timeout_s + 5)
+        except Exception as e:  # a follower already gone: nothing of its own to wait for
+            log.warning("%s: not every rank closed cleanly: %s", self.spec.name, e)
+            return
+        if not all(done):
+            log.warning("%s: rank(s) %s did not write all their queued spills in %.0f s", self.spec.name,
+                        [r["rank"] for r, ok in zip(self.ranks, done) if not ok], timeout_s)
 
     async def check(self, timeout_s: float = 10.0) -> None:
         """Raise unless every follower answers and its model thread lives (Serve then replaces the replica)."""

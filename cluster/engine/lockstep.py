@@ -12,7 +12,8 @@ budgets, not clocks; greedy or seeded sampling on logits every rank holds whole)
 
 - The leader shares, before a turn, what its inbox brought: each new request as plain data (its prompt
   and parameters, with the seed of a sampled request fixed first so that every rank draws the same
-  tokens) and each cancellation. A follower rebuilds the request as a Sequence of its own and runs
+  tokens), each cancellation, and each prompt whose cached prefix the leader's admission starts to read (a
+  follower reads its own meanwhile). A follower rebuilds the request as a Sequence of its own and runs
   the same turn. A turn with nothing to run is not shared: an idle leader sends nothing, and the
   followers wait in the collective.
 - The share is itself a collective on the model thread: the payload's size, then its bytes, each an

@@ -97,9 +97,10 @@ class Scheduler:
         """Whether `stop` was called (or a follower rank's leader stopped it)."""
         return self._stopping
 
-    def wait_stopped(self) -> None:
-        """Block until the model thread has ended."""
-        self._thread.join()
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Block until the model thread has ended (`timeout_s` at most); whether it has."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     @property
     def active(self) -> int:

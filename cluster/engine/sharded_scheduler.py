@@ -4,6 +4,8 @@ Until `join`, it is a plain Scheduler (the model loads on its thread). Then:
 - the leader records what its inbox brings (each new request, with a sampled one's seed fixed first, and each
   cancellation) and shares it before the turn that takes it in; a turn with nothing to run is not shared;
 - a follower takes each turn's items from the leader, rebuilds the requests and runs the same turn;
+- a cached request's prompt goes ahead of it (`read_ahead`), as the leader's admission starts to read its
+  prefix, so that each follower reads its own off its model thread meanwhile (kvcache/shard_restore.py);
 - a lost rank (MLX's backend says "connection to a peer was lost") breaks the replica: every request gets a
   retryable 503 from then on, a follower stops, and the leader's health check fails so Serve replaces it whole;
 - the leader stopping stops its followers;
@@ -16,6 +18,7 @@ Until `join`, it is a plain Scheduler (the model loads on its thread). Then:
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from cluster.engine.events import TERMINAL, Event, Failed
 from cluster.engine.lockstep import STOP, Lockstep, Rebuild, cancelled, describe, fix_seed, group_lost, rebuilt
@@ -27,6 +30,7 @@ class ShardedScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         self.lockstep: Lockstep | None = None  # before the base starts the model thread, which reads them
         self._rebuild: Rebuild | None = None
+        self._read_ahead: Callable[[list[int]], None] | None = None
         self._turn_items: list[dict] = []
         self._open: dict[str, Emit] = {}  # each request not yet ended, and where its events go
         self._open_lock = threading.Lock()
@@ -60,15 +64,23 @@ class ShardedScheduler(Scheduler):
             for emit in open_.values():
                 emit([Failed(self.broken, status=503)])
 
-    def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None) -> None:
-        """From now on run in lockstep with the other ranks: the leader leads, the others follow (they need `rebuild`)
-        until the leader stops. Call it once the model is loaded, before any request."""
+    def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None,
+             read_ahead: Callable[[list[int]], None] | None = None) -> None:
+        """From now on run in lockstep with the other ranks: the leader leads, the others follow (they need `rebuild`;
+        `read_ahead` starts a follower's read of a prompt's cached prefix) until the leader stops. Call it once the
+        model is loaded, before any request."""
         if not lockstep.leads and rebuild is None:
             raise ValueError("a follower rank needs a way to rebuild the leader's requests")
 
         def set_() -> None:
-            self.lockstep, self._rebuild = lockstep, rebuild
+            self.lockstep, self._rebuild, self._read_ahead = lockstep, rebuild, read_ahead
         self.run(set_)
+
+    def read_ahead(self, prompt: list[int]) -> None:
+        """The leader, as its admission starts to read `prompt`'s cached prefix: the followers start theirs
+        (the next turn's share carries it; an idle leader runs a turn for it)."""
+        item = {"prefetch": prompt}
+        self.call(lambda: self._turn_items.append(item) if self._leads else None)
 
     @property
     def _leads(self) -> bool:
@@ -122,6 +134,9 @@ class ShardedScheduler(Scheduler):
                 return False
             if "add" in item:
                 super()._add(Job(item["add"], rebuilt(item, self._rebuild), lambda events: None))
+            elif "prefetch" in item:
+                if self._read_ahead is not None:
+                    self._read_ahead(list(item["prefetch"]))
             else:
                 super()._cancel(item["cancel"])
         return True

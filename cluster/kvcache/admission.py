@@ -49,6 +49,7 @@ from cluster.store.hashing import chain_ids, state_key
 log = logging.getLogger(__name__)
 
 ROUNDS = 4  # plan -> fetch attempts; each failed one strictly shrinks the plan
+ADMISSION_THREADS = 4  # a replica's (and a sharded replica's follower's) reads at once
 
 
 class FetchPlan(Protocol):
@@ -83,9 +84,10 @@ class Admission:
             log.exception("admission failed; prefilling cold")
         return Prefetch(ids=chain_ids(self.cache.namespace, prompt, self.cache.B))
 
-    def fetch(self, prompt: list[int], pull: Optional[FetchPlan] = None) -> Prefetch:
+    def fetch(self, prompt: list[int], pull: Optional[FetchPlan] = None, choose: bool = True) -> Prefetch:
         """Look up, (pull,) read and decode the longest restorable prefix of `prompt` (blocking; not on the
-        model thread). `pull`: the route plan's peer fetch, if any."""
+        model thread). `pull`: the route plan's peer fetch, if any. `choose`: cold where recomputing is
+        predicted faster (a sharded replica's follower leaves that choice to its leader)."""
         pc, planner = self.cache, self.cache.planner
         pc.counters.lookups += 1
         ids = chain_ids(pc.namespace, prompt, pc.B)
@@ -110,10 +112,11 @@ class Admission:
                 if not n:
                     break
                 reads = planner.reads(ids, n)
-            if round_ == 0 and not self._restore_pays(len(prompt), n, [r for r in reads if r[2] not in blocks],
-                                                      tail.nbytes if tail is not None else 0):
+            unread = [r for r in reads if r[2] not in blocks]
+            if choose and round_ == 0 and not self._restore_pays(len(prompt), n, unread,
+                                                                 tail.nbytes if tail is not None else 0):
                 break  # recomputing is predicted faster (costs.py): cold
-            bad = self._fetch([r for r in reads if r[2] not in blocks], ids, blocks, sources)
+            bad = self._fetch(unread, ids, blocks, sources)
             if not bad:
                 if tail is not None:
                     pc.tiers.ram.get(tail.id)  # a use: counted, and fresh in the LRU order
@@ -128,37 +131,44 @@ class Admission:
                     checkpoints.discard(j + 1)
         return Prefetch(ids=ids)
 
-    def restorable(self, prompt: list[int]) -> int:
-        """The most tokens of `prompt` this process's tiers could restore (its tail's, or its blocks' with a
-        checkpoint where needed), without reading any: a rank's offer when a sharded replica's ranks agree
-        on what they all restore (shard_restore.py)."""
+    def fetch_own(self, prompt: list[int]) -> Prefetch:
+        """A sharded replica's follower's read (admission threads): the longest prefix its tiers hold, read and
+        decoded, with no restore-or-recompute choice and no pull; the ranks then agree (shard_restore.py)."""
+        return self.fetch(prompt, choose=False)
+
+    def restorable(self, prompt: list[int], disk: bool = True) -> int:
+        """The most tokens of `prompt` this process's tiers (`disk`: its disk too) could restore (its tail's, or
+        its blocks' with a checkpoint where needed), without reading any: a rank's offer when a sharded
+        replica's ranks agree on what they all restore (shard_restore.py)."""
         pc, planner = self.cache, self.cache.planner
         ids = chain_ids(pc.namespace, prompt, pc.B)
-        hit = self._leading(ids[:planner.usable_blocks(len(prompt))])
+        hit = self._leading(ids[:planner.usable_blocks(len(prompt))], disk=disk)
         tail = pc.tail_for(prompt, ids)
         if tail is not None and hit * pc.B >= tail.start:
             return len(prompt) - 1
-        return planner.best(len(prompt), hit, self._checkpoints(ids, len(prompt), hit, {}))
+        return planner.best(len(prompt), hit, self._checkpoints(ids, len(prompt), hit, {}, disk=disk))
 
-    def fetch_exactly(self, prompt: list[int], n: int) -> Prefetch:
-        """`prompt`'s first n tokens from this process's tiers, or nothing (the result's n is 0): a rank of a
-        sharded replica restores what the ranks agreed on or nothing, never another length. No restore-or-
-        recompute choice (the leader made it) and no pull."""
+    def fetch_exactly(self, prompt: list[int], n: int, have: Optional[dict] = None) -> Prefetch:
+        """`prompt`'s first n tokens from the blocks a read already brought (`have`, by key) and RAM, or nothing
+        (the result's n is 0): a rank of a sharded replica restores what the ranks agreed on or nothing, never
+        another length. Model thread: never the disk (what the disk held, this rank's read brought), no
+        restore-or-recompute choice (the leader made it) and no pull."""
         pc, planner = self.cache, self.cache.planner
         ids = chain_ids(pc.namespace, prompt, pc.B)
         if n <= 0:
             return Prefetch(ids=ids)
-        hit = self._leading(ids[:planner.usable_blocks(len(prompt))])
+        blocks = dict(have or {})
+        hit = self._leading(ids[:planner.usable_blocks(len(prompt))], disk=False, have=blocks)
         tail = pc.tail_for(prompt, ids) if n == len(prompt) - 1 else None
         if tail is not None and hit * pc.B >= tail.start:
             reads = [("kv", j, ids[j]) for j in range(tail.start // pc.B)]
         elif n in planner.candidates(len(prompt), hit) and \
-                planner.restorable(n, self._checkpoints(ids, len(prompt), hit, {})):
+                planner.restorable(n, self._checkpoints(ids, len(prompt), hit, blocks, disk=False)):
             tail, reads = None, planner.reads(ids, n)
         else:
             return Prefetch(ids=ids)
-        blocks, sources = {}, {"ram": 0, "disk": 0}
-        if self._fetch(reads, ids, blocks, sources):
+        sources = {"ram": 0, "disk": 0}
+        if self._fetch([r for r in reads if r[2] not in blocks], ids, blocks, sources, disk=False):
             return Prefetch(ids=ids)
         if tail is not None:
             pc.tiers.ram.get(tail.id)
@@ -202,31 +212,33 @@ class Admission:
             good += 1
         return good
 
-    def _leading(self, keys: list[bytes]) -> int:
-        """Leading blocks held by RAM, then continued by the disk."""
+    def _leading(self, keys: list[bytes], disk: bool = True, have: Optional[dict] = None) -> int:
+        """Leading blocks held by RAM (or read already: `have`), then continued by the disk (`disk`)."""
         tiers = self.cache.tiers
-        hit = leading(tiers.ram.present(keys))
-        if tiers.disk is not None and hit < len(keys):
+        hit = leading([held or k in (have or ()) for k, held in zip(keys, tiers.ram.present(keys))])
+        if disk and tiers.disk is not None and hit < len(keys):
             hit += leading(tiers.disk.present(keys[hit:]))
         return hit
 
-    def _checkpoints(self, ids: list[bytes], prompt_len: int, hit: int, blocks: dict) -> set[int]:
-        """Block counts j whose end-of-block checkpoint some tier holds, or a pull brought (`blocks`)."""
+    def _checkpoints(self, ids: list[bytes], prompt_len: int, hit: int, blocks: dict, disk: bool = True) -> set[int]:
+        """Block counts j whose end-of-block checkpoint some tier (`disk`: the disk too) holds, or a read or pull
+        brought (`blocks`)."""
         ends = self.cache.planner.checkpoint_ends(prompt_len, hit)
         if not ends:
             return set()
         keys = [state_key(ids[j - 1]) for j in ends]
         found = [f or k in blocks for k, f in zip(keys, self.cache.tiers.ram.present(keys))]
-        disk = self.cache.tiers.disk
+        store = self.cache.tiers.disk if disk else None
         missing = [i for i, f in enumerate(found) if not f]
-        if disk is not None and missing:
-            for i, f in zip(missing, disk.present([keys[i] for i in missing])):
+        if store is not None and missing:
+            for i, f in zip(missing, store.present([keys[i] for i in missing])):
                 found[i] = f
         return {j for j, f in zip(ends, found) if f}
 
     def _fetch(self, reads: list[tuple[str, int, bytes]], ids: list[bytes], blocks: dict,
-               sources: dict) -> list[tuple[str, int]]:
-        """Read and decode `reads` into `blocks`; return the (kind, index) of those that failed."""
+               sources: dict, disk: bool = True) -> list[tuple[str, int]]:
+        """Read (`disk`: RAM, then the disk) and decode `reads` into `blocks`; return the (kind, index) of
+        those that failed."""
         tiers, pc = self.cache.tiers, self.cache
         keys = [k for _, _, k in reads]
         datas = tiers.ram.get_many(keys)
@@ -234,8 +246,8 @@ class Admission:
         sources["ram"] += len(in_ram)
         missing = [i for i, d in enumerate(datas) if d is None]
         if tiers.disk is not None:
-            tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too
-            if missing:
+            tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too (queued: no store call here)
+            if missing and disk:
                 t0 = time.perf_counter()
                 read = tiers.disk.get_many([keys[i] for i in missing])
                 pc.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)

@@ -57,7 +57,7 @@ def test_one_replica_spans_both_nodes_and_says_so(fleet):
     assert [n["rank"] for n in shards["nodes"]] == ranks_by_node([n["node_id"] for n in shards["nodes"]])
     cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM and on its disk; the leader announces
     assert cache["enabled"] and cache["migration"] is None and cache["index"] is not None
-    assert cache["shard_restore"] == {"agreed": 0, "cut_short": 0, "dropped": 0}
+    assert cache["shard_restore"] == {"agreed": 0, "cut_short": 0, "dropped": 0, "reads": 0, "late_reads": 0}
 
 
 def test_greedy_answers_are_the_whole_models(fleet, whole):

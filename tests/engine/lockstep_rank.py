@@ -11,8 +11,9 @@ request generated, so the test can check that the ranks agree token for token.
 
 Then the prefix cache, each rank its own (RAM, its own heads, its rank in the fingerprint): the leader
 serves one prompt cold, again (restored on both ranks), and a third time after the follower has dropped
-its blocks (it does so when it rebuilds that request): the ranks then agree on nothing and both prefill
-cold.
+its blocks (it does so when the leader tells it the prompt is coming, before it reads): the ranks then agree
+on nothing and both prefill cold. Before each, the leader tells the follower the prompt (`read_ahead`), as a
+replica's admission does, and the follower reads its blocks on admission threads of its own.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 GREEDY = 10
 PROMPT_LENGTHS = [24, 70, 5, 140, 33, 1, 90, 47, 120, 12]
 CACHED_PROMPT = [3 + (i * 6151) % 1021 for i in range(150)]
-DROP_AT = 12 + 2  # the batched requests (the cancelled one, ten greedy, one sampled), cold, restored, then this
 
 
 def prompt_of(n: int, salt: int) -> list[int]:
@@ -99,19 +100,24 @@ def main() -> int:
         return cache_on_every_rank(setup, group).cache
     pc = scheduler.run(shard)
     admission = Admission(pc)
-    restore = ShardRestore(admission, group)
+    restore = ShardRestore(admission, group, ThreadPoolExecutor(2) if not leads else None)
     generated: dict[str, list[int]] = {}
+    told = []
 
-    def rebuild(prompt, params, step, cached):
-        if cached and len(generated) == DROP_AT:  # this rank loses its blocks: the ranks must agree on none
+    def read_ahead(prompt):
+        told.append(len(prompt))
+        if len(told) == 3:  # the third cached run: this rank loses its blocks, so the ranks must agree on none
             for key in pc.tiers.ram.keys():
                 pc.tiers.ram.discard(key)
+        restore.read_ahead(prompt)
+
+    def rebuild(prompt, params, step, cached):
         s = Sequence(prompt, params, model, tok, BlockSession(pc, prompt, None, restore), step) if cached \
             else seq(prompt, params, step)
         generated[str(len(generated))] = s.generated  # the same object: filled as the follower decodes
         return s
 
-    scheduler.join(Lockstep(group, leader), rebuild)
+    scheduler.join(Lockstep(group, leader), rebuild, read_ahead)
     if leads:
         seqs = [seq(p, greedy(GREEDY)) for p in prompts]
         seqs.append(seq(prompts[3], GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0))))
@@ -124,6 +130,7 @@ def main() -> int:
         cached = []
         for i in range(3):  # cold, restored, and (the follower's blocks gone) cold on both ranks
             params = GenerationParams(max_tokens=GREEDY, record_logits=True)
+            scheduler.read_ahead(CACHED_PROMPT)  # as a replica's admission does
             prefetch = admission.fetch(CACHED_PROMPT)
             s = Sequence(CACHED_PROMPT, params, model, tok, BlockSession(pc, CACHED_PROMPT, prefetch, restore), 64)
             [events] = scheduler.run_all([s], timeout_s=120)

@@ -71,6 +71,7 @@ def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, lead, data_dir
     assert (cold["cached_tokens"], warm["cached_tokens"], dropped["cached_tokens"]) == (0, warm["offered"], 0)
     assert warm["tokens"] == cold["tokens"] == dropped["tokens"]
     assert warm["logits"] == cold["logits"]  # bitwise: the same float32 values, every step
-    assert leader["restore"] == {"agreed": 3, "cut_short": 1, "dropped": 0}  # it offered blocks the third time
-    assert follower["restore"] == {"agreed": 3, "cut_short": 0, "dropped": 0}
+    assert leader["restore"] == {"agreed": 3, "cut_short": 1, "dropped": 0, "reads": 0, "late_reads": 0}  # it
+    # offered blocks the third time; the follower offered what its own reads brought, each in time
+    assert follower["restore"] == {"agreed": 3, "cut_short": 0, "dropped": 0, "reads": 3, "late_reads": 0}
 
