@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--shard-mode", choices=["auto", "tensor", "pipeline"], default=None,
                     help="how a sharded replica splits the model: tensor (every layer over the ranks), pipeline "
                          "(a run of layers per rank), auto (default: tensor where the family can)")
+    up.add_argument("--shard-backend", choices=["ring", "jaccl"], default=None,
+                    help="how a sharded replica's ranks talk: ring (TCP, any network; default) or jaccl (RDMA over "
+                         "Thunderbolt 5, macOS 26.2+ with RDMA enabled: docs/sharding.md)")
     up.add_argument("--deterministic", action="store_true",
                     help="batch-invariant decode: a batched request's logits bitwise its solo run's (on a GPU; costs throughput)")
     up.add_argument("--decode-concurrency", type=int, default=None,
@@ -126,7 +129,8 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
                                    "prefill_concurrency": a.prefill_concurrency,
                                    "stream_interval_s": a.stream_interval,
                                    "stream_messages_per_s": a.stream_messages, "shards": a.shards,
-                                   "shard_mode": a.shard_mode}.items() if v is not None}
+                                   "shard_mode": a.shard_mode, "shard_backend": a.shard_backend}.items()
+                 if v is not None}
     if a.no_batching:
         overrides["batching"] = False
     if a.deterministic:
@@ -155,6 +159,10 @@ def cmd_up(a: argparse.Namespace) -> int:
     from cluster.fleet.launcher import up
 
     cfg = _fleet_config(a)
+    if any(m.shards > 1 and m.shard_backend == "jaccl" for m in cfg.app.models):
+        from cluster.engine.jaccl import check_available
+
+        check_available()  # before any node starts: this Mac's MLX is the fleet's
     t0 = time.monotonic()
     state = up(cfg)
     model = cfg.app.models[0].name
@@ -295,7 +303,7 @@ UP_FLAGS = {("FleetConfig", "nodes"): "--nodes", ("FleetConfig", "port"): "--por
             ("AppConfig", "models"): "--model", ("ModelSpec", "name"): "--model", ("ModelSpec", "source"): "--model",
             ("ModelSpec", "max_context"): "--max-context", ("ModelSpec", "decode_concurrency"): "--decode-concurrency",
             ("ModelSpec", "prefill_concurrency"): "--prefill-concurrency", ("ModelSpec", "shards"): "--shards",
-            ("ModelSpec", "shard_mode"): "--shard-mode",
+            ("ModelSpec", "shard_mode"): "--shard-mode", ("ModelSpec", "shard_backend"): "--shard-backend",
             ("ModelSpec", "stream_interval_s"): "--stream-interval",
             ("ModelSpec", "stream_messages_per_s"): "--stream-messages",
             ("CacheConfig", "block_tokens"): "--block-tokens (16-256, default 64)",

@@ -180,6 +180,9 @@ class ModelSpec(_Config):
     shard_mode: Literal["auto", "tensor", "pipeline"] = Field(
         "auto", description="How a sharded replica splits the model (engine/sharding.py): tensor (every layer's heads and MLP columns over the ranks, two sums per layer: needs fast links and mlx-lm's shard() for the family), pipeline (each rank a run of whole layers, one hand-off per forward: slow links do, logits bitwise the whole model's; needs the family's pipeline() in mlx-lm), or auto: tensor where the family has it, else pipeline.",
     )
+    shard_backend: Literal["ring", "jaccl"] = Field(
+        "ring", description="How a sharded replica's ranks talk (engine/sharding.py): ring (TCP over any network between the nodes: Ethernet, Wi-Fi or Thunderbolt networking) or jaccl (RDMA over Thunderbolt 5 cables: macOS 26.2+ on every Mac, RDMA enabled once in Recovery with `rdma_ctl enable`, each cable addressed by `mlx.distributed_config --over thunderbolt --auto-setup`; a cable between every two of the replica's Macs, or each and its neighbours; engine/jaccl.py). jaccl's messages take microseconds, not tens of them: what tensor parallel wants.",
+    )
     deterministic: bool = Field(
         False, description="Batch-invariant decode: a batched request's logits are bitwise those it gets alone (engine/invariant.py). On a GPU every decode step's matmuls run at decode_concurrency rows and attention runs in a kernel whose sums do not depend on the batch; it costs throughput (docs/gpu.md measures it). On the CPU backend batched rows are already their solo runs, so nothing changes; on Metal it is not available yet and the replica refuses to start.",
     )

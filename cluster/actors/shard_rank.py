@@ -8,8 +8,9 @@ actors, one in each other bundle. The leader starts them (`start_ranks`):
 2. the ranks are numbered by their nodes' ids (engine/sharding.py `ranks_by_node`), so a node keeps its
    rank, and its disk's blocks, when the replica starts again over the same nodes, whichever node Serve
    puts the replica on; the replica is the leader, whatever its rank;
-3. every rank, the leader included, writes the hostfile and joins MLX's group at once, loads the model
-   and keeps its part;
+3. every rank, the leader included, joins MLX's group at once (ring: from a hostfile of the ranks' addresses;
+   JACCL: from the device matrix the leader built from every rank's RDMA links, engine/jaccl.py), loads the
+   model and keeps its part;
 4. the followers then run the leader's turns (engine/lockstep.py) until the leader stops.
 
 The actors are the leader's children: they die with it, and Serve replaces the replica whole. A follower
@@ -65,23 +66,23 @@ class ShardRank:
                                    decode_concurrency=spec.decode_concurrency or spec.max_ongoing_requests,
                                    prefill_concurrency=spec.prefill_concurrency)
 
-    def address(self) -> tuple[str, str]:
-        """This rank's `ip:port` and node. Its node's disk tier is reached here too, before the leader waits
-        for every rank in the group's start."""
+    def address(self) -> tuple[str, str, Optional[list]]:
+        """This rank's `ip:port`, node, and (`shard_backend: jaccl`) RDMA links. Its node's disk tier is reached
+        here too, before the leader waits for every rank in the group's start."""
         from cluster.actors.node_store import disk_link
 
         self.link = disk_link(self.node, self.app)  # this node's disk tier: the rank spills its own blocks there
-        return rank_address(), self.node.node_id
+        return rank_address(), self.node.node_id, rdma_links(self.spec)
 
-    def start(self, addresses: list[str], rank: int, leader: int) -> dict:
-        """Join the group as `rank` (`addresses` in rank order), load and shard the model, then follow the
-        leader's turns (returns once following)."""
+    def start(self, addresses: list[str], rank: int, leader: int, devices: Optional[list] = None) -> dict:
+        """Join the group as `rank` (`addresses` in rank order; `devices`: JACCL's device matrix, else ring), load
+        and shard the model, then follow the leader's turns (returns once following)."""
         from cluster.engine.lockstep import Lockstep
 
         t0 = time.monotonic()
         self.rank = rank
         parts = self.scheduler.run(lambda: load_rank(self.spec, self.app, self.node.data_dir, rank, addresses,
-                                                     getattr(self, "link", None)))
+                                                     getattr(self, "link", None), devices))
         self.disk = parts.disk
         self.scheduler.join(Lockstep(parts.group, leader), parts.rebuild, parts.read_ahead)
         log.info("rank %d of %s ready on node %s in %.1f s", self.rank, self.spec.name, self.node.node_id,
@@ -117,7 +118,7 @@ class Follower:
 
 
 def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str],
-              link=None) -> Follower:
+              link=None, devices: Optional[list] = None) -> Follower:
     """A follower's model thread: its group, its part of the model, its own prefix cache (RAM, and `link`, its
     node's disk tier, or None), and how it rebuilds the leader's requests. Each step runs at the same point as
     the leader's (replica.py `_load`): the cache's probes are forwards, whose collectives pair up.
@@ -133,14 +134,14 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     from cluster.engine.constraints import Grammars
     from cluster.engine.schedule import Schedule
     from cluster.engine.sequence import Sequence
-    from cluster.engine.sharding import geometry, hostfile, init_group, shard
+    from cluster.engine.sharding import geometry, join_group, shard
     from cluster.kvcache.admission import ADMISSION_THREADS, Admission
     from cluster.kvcache.session import BlockSession
     from cluster.kvcache.setup import setup_cache
     from cluster.kvcache.shard_restore import ShardRestore, cache_on_every_rank
     from cluster.models.resolve import resolve_model
 
-    group = init_group(rank, hostfile(addresses, Path(node_dir)))
+    group = join_group(rank, addresses, Path(node_dir), devices)
     model_dir = resolve_model(spec.source, Path(app.data_dir).expanduser())
     model, tokenizer = load(str(model_dir), lazy=True)
     shard(model, group, spec.shard_mode)
@@ -165,9 +166,19 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
                     pc.tiers.disk if pc is not None else None)
 
 
-def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[tuple[str, str]]]:
-    """The leader's side: the follower actors in this replica's placement group, and every participant's
-    (`ip:port`, node id), the leader's first, then the followers' in bundle order."""
+def rdma_links(spec: ModelSpec) -> Optional[list]:
+    """This node's RDMA links where the replica's group is JACCL (engine/jaccl.py), else None."""
+    if spec.shard_backend != "jaccl":
+        return None
+    from cluster.engine.jaccl import check_available, local_links
+
+    check_available()
+    return local_links()
+
+
+def start_ranks(spec: ModelSpec, app: AppConfig) -> tuple[list, list[tuple[str, str, Optional[list]]]]:
+    """The leader's side: the follower actors in this replica's placement group, and each one's (`ip:port`,
+    node id, RDMA links or None), in bundle order."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = ray.util.get_current_placement_group()
@@ -194,12 +205,20 @@ class ShardGroup:
         mode = check_shardable(config.get("model_type", "?"), spec.shard_mode, spec.shards, config)
         self.spec = spec.model_copy(update={"shard_mode": mode})  # auto resolved: every rank splits the same way
         spec = self.spec
+        links = rdma_links(spec)  # first: a leader without JACCL says so before any follower starts
         self.actors, theirs = start_ranks(spec, app)
-        joined = [(rank_address(), node_id), *theirs]
-        ranks = ranks_by_node([n for _, n in joined])
+        joined = [(rank_address(), node_id, links), *theirs]
+        ranks = ranks_by_node([n for _, n, _ in joined])
         self.rank = ranks[0]  # the leader's
-        self.addresses = [a for _, (a, _) in sorted(zip(ranks, joined))]  # in rank order, as the hostfile lists them
-        self._starts = [a.start.remote(self.addresses, r, self.rank) for a, r in zip(self.actors, ranks[1:])]
+        in_order = [j for _, j in sorted(zip(ranks, joined))]
+        self.addresses = [a for a, _, _ in in_order]  # as the hostfile lists them
+        self.devices = None  # ring; JACCL's device matrix where the spec asks for it (engine/jaccl.py)
+        if spec.shard_backend == "jaccl":
+            from cluster.engine.jaccl import device_matrix
+
+            self.devices = device_matrix([lk for _, _, lk in in_order], [n for _, n, _ in in_order])
+        self._starts = [a.start.remote(self.addresses, r, self.rank, self.devices)
+                        for a, r in zip(self.actors, ranks[1:])]
         self.group = None
         self.ranks: list[dict] = []
 
@@ -213,9 +232,9 @@ class ShardGroup:
         """The leader's model thread: join the group, load the model lazily and keep its own part."""
         from mlx_lm import load
 
-        from cluster.engine.sharding import hostfile, init_group, shard
+        from cluster.engine.sharding import join_group, shard
 
-        self.group = init_group(self.rank, hostfile(self.addresses, Path(node_dir)))
+        self.group = join_group(self.rank, self.addresses, Path(node_dir), self.devices)
         model, tokenizer = load(str(model_dir), lazy=True)
         shard(model, self.group, self.spec.shard_mode)
         return model, tokenizer
@@ -270,6 +289,6 @@ class ShardGroup:
 
     def stats(self, node: dict) -> dict:
         """`nodes`: the leader's (`node`) first, then its followers', each with its rank."""
-        return {"size": self.spec.shards, "mode": self.spec.shard_mode,
+        return {"size": self.spec.shards, "mode": self.spec.shard_mode, "backend": self.spec.shard_backend,
                 "nodes": [{**node, "rank": self.rank}] + [{"node_id": r["node_id"], "node_name": r["node_name"],
                                                            "rank": r["rank"]} for r in self.ranks]}

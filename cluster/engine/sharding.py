@@ -124,12 +124,26 @@ def hostfile(addresses: list[str], directory: Path) -> Path:
     return Path(path)
 
 
+def join_group(rank: int, addresses: list[str], directory: Path, devices: list[list] | None = None):
+    """Join the replica's group (model thread; returns once every rank has connected): ring over `addresses`
+    (every rank's `ip:port`, in rank order), or, given JACCL's device matrix (`shard_backend: jaccl`), JACCL,
+    with rank 0's address as its coordinator (jaccl.py)."""
+    if devices is None:
+        return init_group(rank, hostfile(addresses, directory))
+    from cluster.engine import jaccl
+
+    return _checked(jaccl.init_group(rank, devices, addresses[0], directory), rank)
+
+
 def init_group(rank: int, hosts: Path):
-    """Join the group (model thread; returns once every rank has connected)."""
+    """Join a ring group from its hostfile (model thread; returns once every rank has connected)."""
     import mlx.core as mx
 
     os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(rank), str(hosts)
-    group = mx.distributed.init(backend="ring", strict=True)
+    return _checked(mx.distributed.init(backend="ring", strict=True), rank)
+
+
+def _checked(group, rank: int):
     if group.rank() != rank:
         raise RuntimeError(f"MLX's distributed group gave rank {group.rank()}, expected {rank}")
     return group

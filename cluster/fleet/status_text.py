@@ -29,7 +29,7 @@ def render(status: dict) -> str:
             lines.append(f"      BROKEN: {r['broken']}")
         if r.get("shards"):
             sh = r["shards"]
-            lines.append(f"      shards: {sh['size']} ({sh['mode']} parallel) over "
+            lines.append(f"      shards: {sh['size']} ({sh['mode']} parallel, {sh.get('backend', 'ring')}) over "
                          + ", ".join(f"rank {n.get('rank', i)} {n['node_id']}" + (" (leads)" if i == 0 else "")
                                      for i, n in enumerate(sh["nodes"])))
         lines.append("      " + _cache_line(r.get("cache", {})))

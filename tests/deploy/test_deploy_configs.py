@@ -29,6 +29,16 @@ def test_the_sharded_example_spans_two_macs_per_replica():
                                          "placement_group_strategy": "STRICT_SPREAD"}
 
 
+def test_the_jaccl_example_is_the_sharded_one_over_rdma():
+    def models(name):
+        (app,) = yaml.safe_load((DEPLOY / name).read_text())["applications"]
+        return AppConfig.model_validate(app["args"]).models
+
+    [ring], [jaccl] = models("serve-sharded.yaml"), models("serve-sharded-jaccl.yaml")
+    assert (ring.shard_backend, jaccl.shard_backend) == ("ring", "jaccl")
+    assert jaccl.model_copy(update={"shard_backend": "ring"}) == ring
+
+
 def test_serve_yaml_import_path_resolves():
     import importlib
 

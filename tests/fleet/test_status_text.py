@@ -38,9 +38,9 @@ def test_the_batching_line_says_how_a_deterministic_replica_keeps_batched_rows_s
 def test_a_sharded_replica_names_every_rank_and_its_node():
     nodes = [{"node_id": "node-1-5e6f7a8b", "node_name": "b", "rank": 1}, {"node_id": "node-0-1a2b3c4d", "node_name": "a",
                                                                           "rank": 0}]
-    lines = render(status(replica(shards={"size": 2, "mode": "tensor", "nodes": nodes}))).splitlines()
+    lines = render(status(replica(shards={"size": 2, "mode": "tensor", "backend": "jaccl", "nodes": nodes}))).splitlines()
     assert lines[lines.index("replicas:") + 3] == \
-        "      shards: 2 (tensor parallel) over rank 1 node-1-5e6f7a8b (leads), rank 0 node-0-1a2b3c4d"
+        "      shards: 2 (tensor parallel, jaccl) over rank 1 node-1-5e6f7a8b (leads), rank 0 node-0-1a2b3c4d"
     assert "shards:" not in render(status(replica(shards=None)))
 
 
