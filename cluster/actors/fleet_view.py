@@ -37,6 +37,7 @@ class ReplicaInfo:
     recurrent: bool = False
     boundary_only: bool = False
     resume_every: int = 1  # a hit resumes only at multiples of this many tokens (its prefill schedule's chunk)
+    pulls: bool = True  # its blocks move between it and its peers (a sharded replica's do not, yet)
 
 
 def replica_info(lease: dict) -> ReplicaInfo:
@@ -47,7 +48,8 @@ def replica_info(lease: dict) -> ReplicaInfo:
                        healthy=bool(lease.get("healthy", True)), namespace=bytes.fromhex(ns) if ns else None,
                        block_tokens=int(cache.get("block_tokens") or 0), recurrent=bool(cache.get("recurrent")),
                        boundary_only=bool(cache.get("boundary_only")),
-                       resume_every=max(1, int(cache.get("resume_every") or 1)))
+                       resume_every=max(1, int(cache.get("resume_every") or 1)),
+                       pulls=bool(cache.get("pulls", True)))
 
 
 class FleetView:

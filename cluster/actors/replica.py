@@ -299,6 +299,7 @@ class ModelReplica:
         return {"enabled": True, "namespace": self.cache.fingerprint.short, "namespace_hex": pc.namespace.hex(),
                 "recurrent": pc.layout.has_recurrent, "boundary_only": pc.planner.boundary_only,
                 "resume_every": pc.schedule.resume_every,
+                "pulls": self.peers is not None,  # a sharded replica's blocks are its ranks': none move (yet)
                 "admission_timeouts": self.admission.timeouts, "migration": self.migration_stats(),
                 "index": self.publisher.counters if self.publisher else None,
                 "shard_restore": self.shard_restore.stats() if self.shard_restore is not None else None, **pc.stats()}

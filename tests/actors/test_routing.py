@@ -76,6 +76,18 @@ def test_only_what_a_peer_has_on_disk_can_be_pulled_and_only_within_a_namespace(
     assert opts["n2"].fetch is None  # another fingerprint's blocks are no use to n2
 
 
+def test_no_pull_is_planned_to_or_from_a_sharded_replica():
+    # Two sharded replicas whose leaders share a rank share a namespace; their blocks are their ranks' (each on its
+    # own node), which no pull moves yet: the cost model must not count on one, either way.
+    sharded = [node(0, pulls=False), node(1, pulls=False)]
+    opts = {o.node.node_id: o for o in options(2048, sharded, {"n1": holding(1, hit=30, disk=30)}, {"n1": 5}, CFG)}
+    assert opts["n0"].fetch is None and opts["n0"].tokens == 0
+    assert opts["n1"].holder is None and opts["n1"].tokens == 1920  # its own RAM and disk still count
+    mixed = {o.node.node_id: o for o in options(2048, [node(0), node(1, pulls=False)],
+                                                {"n1": holding(1, hit=30, disk=30)}, {"n1": 5}, CFG)}
+    assert mixed["n0"].fetch is None
+
+
 def test_nobody_holding_anything_is_a_miss_that_goes_to_the_least_loaded():
     plan = plan_for(500, [node(0), node(1), node(2)], [], loads={"n0": 2, "n1": 0, "n2": 1})
     assert (plan.node_id, plan.reason) == ("n1", "miss")

@@ -56,7 +56,7 @@ def test_one_replica_spans_both_nodes_and_says_so(fleet):
     assert replica["node_id"] == shards["nodes"][0]["node_id"]  # the leader's first; ranks follow the node ids
     assert [n["rank"] for n in shards["nodes"]] == ranks_by_node([n["node_id"] for n in shards["nodes"]])
     cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM and on its disk; the leader announces
-    assert cache["enabled"] and cache["migration"] is None and cache["index"] is not None
+    assert cache["enabled"] and cache["migration"] is None and cache["pulls"] is False and cache["index"] is not None
     assert cache["shard_restore"] == {"agreed": 0, "cut_short": 0, "dropped": 0, "reads": 0, "late_reads": 0}
 
 
