@@ -156,13 +156,12 @@ def _fleet_config(a: argparse.Namespace) -> FleetConfig:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from cluster.fleet.launcher import up
-
     cfg = _fleet_config(a)
     if any(m.shards > 1 and m.shard_backend == "jaccl" for m in cfg.app.models):
         from cluster.engine.jaccl import check_available
 
         check_available()  # before any node starts: this Mac's MLX is the fleet's
+    from cluster.fleet.launcher import up
     t0 = time.monotonic()
     state = up(cfg)
     model = cfg.app.models[0].name
