@@ -30,9 +30,9 @@ from pathlib import Path
 
 RDMA_PREFIX = "rdma_"
 MESH_MAX = 8  # JACCL's mesh takes up to 8 ranks (MESH_MAX_PEERS in mlx's jaccl/mesh_impl.h)
-SETUP_HINT = ("on every Mac: macOS 26.2 or later, RDMA enabled once in Recovery (`rdma_ctl enable`, then "
-              "`ibv_devices` lists rdma_en* devices), and the Thunderbolt links addressed "
-              "(`mlx.distributed_config --over thunderbolt --backend jaccl --auto-setup`)")
+SETUP_HINT = ("set up RDMA over Thunderbolt 5 (on every Mac: macOS 26.2 or later; RDMA enabled once in Recovery "
+              "with `rdma_ctl enable`, after which `ibv_devices` lists rdma_en* devices; the Thunderbolt links "
+              "addressed with `mlx.distributed_config --over thunderbolt --backend jaccl --auto-setup`)")
 
 
 class JacclUnavailable(ValueError):
@@ -44,8 +44,8 @@ def check_available() -> None:
     import mlx.core as mx
 
     if not mx.distributed.is_available(backend="jaccl"):
-        raise JacclUnavailable("shard_backend: jaccl: this MLX has no JACCL (RDMA over Thunderbolt 5 needs "
-                               f"{SETUP_HINT}); use shard_backend: ring, which runs over any network")
+        raise JacclUnavailable("shard_backend: jaccl: this MLX has no JACCL; use shard_backend: ring (TCP, any "
+                               f"network), or {SETUP_HINT}")
 
 
 def parse_ibv_devices(text: str) -> list[str]:

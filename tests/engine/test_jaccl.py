@@ -56,7 +56,8 @@ def test_four_macs_cabled_as_a_ring_in_rank_order_are_a_ring():
 
 def test_macs_not_all_cabled_are_refused_naming_the_pairs_and_the_setup():
     links = [[link("rdma_en2", "10.0.1.0/30")], [link("rdma_en2", "10.0.1.0/30")], [link("rdma_en2", "10.0.9.0/30")]]
-    with pytest.raises(JacclUnavailable, match=r"none found between a and c, b and c; on every Mac: macOS 26.2"):
+    with pytest.raises(JacclUnavailable, match=r"none found between a and c, b and c; set up RDMA over "
+                                               r"Thunderbolt 5 \(on every Mac: macOS 26.2"):
         device_matrix(links, ["a", "b", "c"])
     with pytest.raises(JacclUnavailable, match=r"node b has no RDMA device with an IPv4 address; .*rdma_ctl enable"):
         device_matrix([[link("rdma_en2", "10.0.1.0/30")], []], ["a", "b"])
@@ -64,7 +65,8 @@ def test_macs_not_all_cabled_are_refused_naming_the_pairs_and_the_setup():
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="a Mac's MLX may have JACCL")
 def test_an_mlx_without_jaccl_is_refused_with_the_fix():
-    with pytest.raises(JacclUnavailable, match=r"this MLX has no JACCL .* use shard_backend: ring"):
+    with pytest.raises(JacclUnavailable, match=r"this MLX has no JACCL; use shard_backend: ring \(TCP, any "
+                                               r"network\), or set up RDMA"):
         check_available()
 
 
