@@ -8,6 +8,7 @@ starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -162,8 +163,10 @@ def cmd_up(a: argparse.Namespace) -> int:
 
         check_available()  # before any node starts: this Mac's MLX is the fleet's
     from cluster.fleet.launcher import up
+
     t0 = time.monotonic()
-    state = up(cfg)
+    with _term_as_interrupt():  # a SIGTERM mid-start (a timeout, a service manager) cleans up as Ctrl-C does
+        state = up(cfg)
     model = cfg.app.models[0].name
     print(f"\nmlx-fleet is up in {time.monotonic() - t0:.1f}s: {cfg.nodes} node(s), model(s) {', '.join(state.models)}")
     print(f"  endpoint:  {state.http_url}/v1")
@@ -179,6 +182,21 @@ def cmd_up(a: argparse.Namespace) -> int:
     if cfg.foreground:
         return _stay_attached(Path(state.data_dir))
     return 0
+
+
+@contextlib.contextmanager
+def _term_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt once, so the start's cleanup runs; a second one during it is ignored."""
+    import signal
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _backend() -> str:
@@ -302,6 +320,7 @@ UP_FLAGS = {("FleetConfig", "nodes"): "--nodes", ("FleetConfig", "port"): "--por
             ("AppConfig", "models"): "--model", ("ModelSpec", "name"): "--model", ("ModelSpec", "source"): "--model",
             ("ModelSpec", "max_context"): "--max-context", ("ModelSpec", "decode_concurrency"): "--decode-concurrency",
             ("ModelSpec", "prefill_concurrency"): "--prefill-concurrency", ("ModelSpec", "shards"): "--shards",
+            ("FleetConfig", ""): "--shards",  # its one check across fields: the shards fit the nodes
             ("ModelSpec", "shard_mode"): "--shard-mode", ("ModelSpec", "shard_backend"): "--shard-backend",
             ("ModelSpec", "stream_interval_s"): "--stream-interval",
             ("ModelSpec", "stream_messages_per_s"): "--stream-messages",

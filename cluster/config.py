@@ -322,3 +322,11 @@ class FleetConfig(_Config):
     dashboard: bool = Field(True, description="Start the Ray dashboard on the head node.")
     foreground: bool = Field(False, description="Stay attached and stop the fleet on Ctrl-C.")
     app: AppConfig = Field(default_factory=AppConfig, description="The Serve application to deploy.")
+
+    @model_validator(mode="after")
+    def _check_shards_fit(self) -> "FleetConfig":
+        wide = max((m.shards for m in self.app.models), default=1)
+        if wide > self.nodes:
+            raise ValueError(f"each replica spans {wide} nodes, and the fleet has {self.nodes}; start at least as "
+                             f"many (--nodes {wide}), or shard less")
+        return self

@@ -73,7 +73,9 @@ def up(cfg: FleetConfig, out: Callable[[str], None] = print) -> FleetState:
         try:
             for spec in cfg.app.models:
                 with progress.step(f"model {spec.name}") as note:
-                    note["detail"] = str(resolve_model(spec.source, data_dir))
+                    model_dir = resolve_model(spec.source, data_dir)
+                    note["detail"] = str(model_dir)
+                _check_split(spec, model_dir)
             ray_env.write_token(data_dir)
             _start_supervisor(cfg, state, lock_fd, progress)
             _start_ray(cfg, state, progress)
@@ -152,6 +154,20 @@ def _preflight(cfg: FleetConfig) -> None:
         read_keys(cfg.app.gateway.api_keys_file)
 
 
+def _check_split(spec, model_dir: Path) -> None:
+    """A sharded model mlx-lm cannot split so is refused now, from its config, not by every replica's start."""
+    if spec.shards <= 1:
+        return
+    from cluster.engine.sharding import UnshardableModel, check_shardable
+    from cluster.models.resolve import read_config
+
+    config = read_config(model_dir)
+    try:
+        check_shardable(config.get("model_type", "?"), spec.shard_mode, spec.shards, config)
+    except UnshardableModel as e:
+        raise FleetError(f"model {spec.name}: {e}") from None
+
+
 def _start_supervisor(cfg: FleetConfig, state: FleetState, lock_fd: int, progress: Progress) -> None:
     """The process that keeps the data dir's lock and runs (and restarts) the fleet's Redis."""
     own = not cfg.app.redis_url
@@ -220,6 +236,17 @@ def _deploy(cfg: FleetConfig, state: FleetState, progress: Progress) -> None:
         ray.shutdown()
 
 
+def deploy_failure(messages: list[str], limit: int = 2000) -> str:
+    """What Serve says of a failed deployment, the error itself first: its message ends in a traceback whose
+    last line is the exception, which a cut from the front would lose."""
+    reasons = []
+    for m in filter(None, messages):
+        lines = [ln.strip() for ln in m.strip().splitlines() if ln.strip()]
+        last = lines[-1] if lines else ""
+        reasons.append(last if len(lines) > 1 and "Traceback" in m else m.strip())
+    return " | ".join(reasons)[:limit]
+
+
 def _wait_healthy(state: FleetState, progress: Progress, timeout_s: float = DEPLOY_TIMEOUT_S) -> None:
     from ray import serve
 
@@ -238,7 +265,8 @@ def _wait_healthy(state: FleetState, progress: Progress, timeout_s: float = DEPL
                 return
             if app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
                 msgs = [d.message for d in app.deployments.values() if d.message] or [app.message]
-                raise FleetError(f"the serve app failed to deploy: {' | '.join(m for m in msgs if m)[:2000]}")
+                raise FleetError(f"the serve app failed to deploy: {deploy_failure(msgs)}; the full error is in the "
+                                 f"logs under {state.ray_temp_dir}/session_latest/logs")
         if time.monotonic() > deadline:
             raise FleetError(f"replicas were not healthy after {timeout_s:.0f}s; see the logs under {state.ray_temp_dir}/session_latest/logs")
         time.sleep(0.5)

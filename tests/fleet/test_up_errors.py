@@ -71,8 +71,40 @@ def test_unreachable_redis(tmp_path):
     (["--cache-ram-gb", "-1"], "mlx-fleet: --cache-ram-gb: Input should be greater than or equal to 0"),
     (["--gateways", "0"], "mlx-fleet: --gateways: Input should be greater than or equal to 1"),
     (["--redis-url", "http://127.0.0.1:6379"], "mlx-fleet: --redis-url: a Redis URL starts with redis://"),
+    (["--shards", "2"], "mlx-fleet: --shards: each replica spans 2 nodes, and the fleet has 1; start at least as many "
+                        "(--nodes 2), or shard less"),
 ])
 def test_config_errors_name_the_field(tmp_path, args, line):
     r = up(tmp_path, *args)
     assert r.returncode == 2
     assert r.stderr.startswith(line)
+
+
+def test_a_model_mlx_lm_cannot_split_is_refused_before_any_node_starts(tmp_path):
+    r = up(tmp_path, "--nodes", "2", "--shards", "2", "--model", "tiny-swa")
+    assert_clean_failure(r, tmp_path, "model tiny-swa: shards: 2: mlx-lm cannot split 'gemma3_text' models in either "
+                                      "mode; tensor parallel can split")
+    assert "supervisor" not in r.stdout  # refused right after the model was found, before Redis and Ray
+
+
+def test_a_failed_deployment_says_its_error_first():
+    from cluster.fleet.launcher import deploy_failure
+
+    traceback = ("The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n"
+                 + "  File \"x.py\", line 1, in f\n" * 200 + "UnshardableModel: shards: 2: mlx-lm cannot split it\n")
+    assert deploy_failure([traceback, "", "Gateway: no healthy replica"]) == \
+        "UnshardableModel: shards: 2: mlx-lm cannot split it | Gateway: no healthy replica"
+
+
+def test_sigterm_while_starting_is_an_interrupt_once():
+    import os
+    import signal
+
+    from cluster.cli import _term_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with _term_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler before the next bytecode
+            pytest.fail("SIGTERM did not interrupt")
+    assert signal.getsignal(signal.SIGTERM) == before  # restored after the start
