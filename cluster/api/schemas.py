@@ -36,11 +36,11 @@ def _valid_unicode(v: str) -> str:
 
 
 Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
-Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
-TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
+Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 Seed = Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)]
-Number = Union[StrictInt, StrictFloat]
+Number = Union[StrictInt, Annotated[StrictFloat, Field(allow_inf_nan=False)]]  # NaN is no number a sampler takes
 FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 Penalty = Annotated[Number, Field(ge=-2.0, le=2.0)]
 ContextSize = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS_LIMIT)]

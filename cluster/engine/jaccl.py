@@ -44,8 +44,8 @@ def check_available() -> None:
     import mlx.core as mx
 
     if not mx.distributed.is_available(backend="jaccl"):
-        raise JacclUnavailable("shard_backend: jaccl: this MLX has no JACCL; use shard_backend: ring (TCP, any "
-                               f"network), or {SETUP_HINT}")
+        raise JacclUnavailable("shard_backend: jaccl: this MLX has no JACCL; use shard_backend: ring "
+                               f"(`--shard-backend ring`; TCP, any network), or {SETUP_HINT}")
 
 
 def parse_ibv_devices(text: str) -> list[str]:

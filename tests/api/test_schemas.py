@@ -35,6 +35,8 @@ def test_max_completion_tokens_wins():
     ("temperature", 2.5, "temperature"),
     ("temperature", -0.1, "temperature"),
     ("temperature", "0.5", "temperature"),
+    ("temperature", float("nan"), "temperature"),
+    ("presence_penalty", float("inf"), "presence_penalty"),
     ("top_p", 0, "top_p"),
     ("top_p", 1.5, "top_p"),
     ("n", 2, "n"),

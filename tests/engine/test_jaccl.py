@@ -65,8 +65,8 @@ def test_macs_not_all_cabled_are_refused_naming_the_pairs_and_the_setup():
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="a Mac's MLX may have JACCL")
 def test_an_mlx_without_jaccl_is_refused_with_the_fix():
-    with pytest.raises(JacclUnavailable, match=r"this MLX has no JACCL; use shard_backend: ring \(TCP, any "
-                                               r"network\), or set up RDMA"):
+    with pytest.raises(JacclUnavailable, match=r"this MLX has no JACCL; use shard_backend: ring \(`--shard-backend "
+                                               r"ring`; TCP, any network\), or set up RDMA"):
         check_available()
 
 
