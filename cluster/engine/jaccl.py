@@ -110,10 +110,10 @@ def device_matrix(links: list[list[dict]], nodes: list[str]) -> list[list]:
 
 def init_group(rank: int, matrix: list[list], coordinator: str, directory: Path):
     """Join a JACCL group (model thread): the device matrix written where MLX reads it, rank 0 listening on
-    `coordinator` (its node's `ip:port`) while the ranks set up."""
+    `coordinator` (its node's `ip:port`) while the ranks set up. Every rank checked JACCL was there when it
+    reported its links (shard_rank.py `rdma_links`)."""
     import mlx.core as mx
 
-    check_available()
     fd, path = tempfile.mkstemp(prefix="mlx-ibv-", suffix=".json", dir=directory)
     with os.fdopen(fd, "w") as f:
         json.dump(matrix, f)
