@@ -352,8 +352,8 @@ class PrefixCache:
     def _tail_of(self, prompt: list[int], ids: list[bytes]) -> Optional[tuple[bytes, bytes, int]]:
         """(key, parent block id, start) of the prompt's tail; None where this cache keeps none for it."""
         start, end = self.kept_tokens(len(prompt)), len(prompt) - 1
-        if not self.tails or end <= start:
-            return None
+        if not self.tails or end <= start or (end - start == 1 and self.layout.windows()):
+            return None  # (a one-token chunk rotates a sliding window's ring: tails.py)
         parent = ids[start // self.B - 1] if start else self.namespace
         return tail_key(parent, prompt[start:end]), parent, start
 

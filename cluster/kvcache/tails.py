@@ -18,6 +18,13 @@ token may differ, since it always runs alone. A tail keeps them:
   is cheap to recompute anywhere, and there is no envelope format to version.
 A hit on a tail restores L - 1 tokens, the kept blocks and then the tail, and the last token runs alone,
 as in the cold run.
+
+No tail is kept of a one-token chunk where the model has sliding windows. mlx-lm's RotatingKVCache writes a
+one-token step in place: once the window is full, that write rotates the ring, so at L - 1 the cold cache
+holds the window with its newest token in slot 0. A restore lays the window out in order, the last token
+then lands in another slot, and its attention sums the same terms in another order (1e-5 off in float32
+on the CPU, tokens equal). Recomputing that one token is the cold run's own step, and costs what the tail
+would save.
 """
 
 from __future__ import annotations
