@@ -37,7 +37,15 @@ class ReplicaInfo:
     recurrent: bool = False
     boundary_only: bool = False
     resume_every: int = 1  # a hit resumes only at multiples of this many tokens (its prefill schedule's chunk)
-    pulls: bool = True  # its blocks move between it and its peers (a sharded replica's do not, yet)
+    # A sharded replica's nodes and its ranks' fingerprints, by rank (its leader's among them): blocks move only
+    # between replicas that agree on all of them, rank to rank (plan.py FetchPlan.for_rank).
+    ranks: tuple[str, ...] = ()
+    rank_namespaces: tuple[bytes, ...] = ()
+
+    @property
+    def geometry(self) -> tuple:
+        """What two replicas must share for one to pull the other's blocks: every rank's fingerprint."""
+        return self.rank_namespaces or (self.namespace,)
 
 
 def replica_info(lease: dict) -> ReplicaInfo:
@@ -49,7 +57,8 @@ def replica_info(lease: dict) -> ReplicaInfo:
                        block_tokens=int(cache.get("block_tokens") or 0), recurrent=bool(cache.get("recurrent")),
                        boundary_only=bool(cache.get("boundary_only")),
                        resume_every=max(1, int(cache.get("resume_every") or 1)),
-                       pulls=bool(cache.get("pulls", True)))
+                       ranks=tuple(r["node_id"] for r in cache.get("ranks") or ()),
+                       rank_namespaces=tuple(bytes.fromhex(r["namespace_hex"]) for r in cache.get("ranks") or ()))
 
 
 class FleetView:

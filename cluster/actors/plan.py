@@ -12,7 +12,7 @@ holds, before prefilling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from cluster.engine.request import GenerationParams
@@ -20,14 +20,32 @@ from cluster.engine.request import GenerationParams
 
 @dataclass(frozen=True)
 class FetchPlan:
-    """Pull blocks [start_block, end_block) (and the checkpoint at end_block, for hybrids) from `peer`."""
+    """Pull blocks [start_block, end_block) (and the checkpoint at end_block, for hybrids) from `peer`.
 
-    peer: str  # the peer's node id
+    A sharded peer's blocks are its ranks', each on its own node: `peer_ranks` names those nodes in rank
+    order, and rank r of the replica that pulls reads its own heads' blocks from `peer_ranks[r]`
+    (`for_rank`). The router plans such a pull only between replicas of the same geometry, whose rank r
+    keeps the same heads under the same fingerprint."""
+
+    peer: str  # the peer's node id (a sharded peer's leader's)
     start_block: int
     end_block: int
     checkpoint: bool
     tokens: int  # restorable tokens once they are here
     nbytes: int
+    peer_ranks: tuple[str, ...] = ()  # a sharded peer's nodes, by rank
+
+    def for_rank(self, rank: int) -> "FetchPlan":
+        """The pull rank `rank` of a sharded replica makes: from its counterpart's node."""
+        return replace(self, peer=self.peer_ranks[rank], peer_ranks=()) if self.peer_ranks else self
+
+    def shared(self) -> dict:
+        """As a sharded replica's leader tells its followers (msgpack: engine/lockstep.py)."""
+        return {**asdict(self), "peer_ranks": list(self.peer_ranks)}
+
+    @classmethod
+    def from_shared(cls, item: dict) -> "FetchPlan":
+        return cls(**{**item, "peer_ranks": tuple(item.get("peer_ranks") or ())})
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,9 @@ class ModelReplica:
                 self.cache.cache.spill_when_idle = True
                 self.scheduler.when_idle(self.cache.cache.spill_idle)
             # A sharded replica's ranks keep their blocks, each its own heads, in RAM and on their own nodes'
-            # disks, and restore the same tokens or none (kvcache/shard_restore.py); no pulls from peers yet.
-            self.peers = PeerClient(self.cache.cache.namespace) if self.shards is None else None
+            # disks, and restore the same tokens or none (kvcache/shard_restore.py); each pulls its own from
+            # its counterpart in a peer replica of the same geometry (plan.py FetchPlan.for_rank).
+            self.peers = PeerClient(self.cache.cache.namespace)
             self.admission = Admission(self.cache.cache, ThreadPoolExecutor(ADMISSION_THREADS, "mlx-fleet-admit"),
                                        app.cache.admission_timeout_s, self.peers, app.routing.fetch_timeout_s)
             if self.shards is not None:
@@ -100,6 +101,8 @@ class ModelReplica:
         log.info("replica of %s ready on node %s (%s)", spec.name, self.node.node_id, self.path)
 
     def _every_period(self) -> None:
+        if self.shards is not None and self.shards.ranks:
+            self.shards.refresh()  # its followers' caches, for status
         metrics.export_replica(self.exporter, self.stats())
         self._save_speeds()
 
@@ -252,8 +255,10 @@ class ModelReplica:
         so), before the model thread sees the request."""
         if self.admission is None:
             return ColdSession(self.model, self.new_caches, self.schedule)
-        if self.shard_restore is not None:  # each follower reads its own blocks of the prefix meanwhile
-            self.scheduler.read_ahead(prompt)
+        if self.shard_restore is not None:  # each follower reads (and pulls) its own blocks of the prefix meanwhile
+            self.scheduler.read_ahead(prompt, pull.shared() if pull is not None else None)
+            pull = pull.for_rank(self.shards.rank) if pull is not None else None
+            pull = pull if pull is not None and pull.peer != self.node.node_id else None  # its own node's: local
         prefetch = await self.admission.fetch_async(prompt, pull)
         return BlockSession(self.cache.cache, prompt, prefetch, self.shard_restore)
 
@@ -299,13 +304,13 @@ class ModelReplica:
         return {"enabled": True, "namespace": self.cache.fingerprint.short, "namespace_hex": pc.namespace.hex(),
                 "recurrent": pc.layout.has_recurrent, "boundary_only": pc.planner.boundary_only,
                 "resume_every": pc.schedule.resume_every,
-                "pulls": self.peers is not None,  # a sharded replica's blocks are its ranks': none move (yet)
+                "ranks": self.shards.rank_caches(pc.namespace) if self.shards is not None else None,
                 "admission_timeouts": self.admission.timeouts, "migration": self.migration_stats(),
                 "index": self.publisher.counters if self.publisher else None,
                 "shard_restore": self.shard_restore.stats() if self.shard_restore is not None else None, **pc.stats()}
 
     def migration_stats(self) -> Optional[dict]:
-        if self.peers is None:  # a sharded replica pulls no blocks from peers (yet)
+        if self.peers is None:
             return None
         return {**self.peers.counters, "link_bytes_per_s": {k: round(v) for k, v in self.peers.link_bps.items()}}
 

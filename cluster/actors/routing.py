@@ -120,7 +120,8 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
             cfg: RoutingConfig, queued: Optional[dict[str, int]] = None) -> list[Option]:
     """Every candidate node's best way to answer, with its predicted TTFT."""
     out = []
-    ns_of = {n.node_id: n.namespace for n in nodes if n.pulls}  # a sharded replica's blocks move nowhere (yet)
+    geometry = {n.node_id: n.geometry for n in nodes}
+    ranks = {n.node_id: n.ranks for n in nodes}
     speeds = prefill_speeds(nodes, held, cfg.default_prefill_tps)
     for node in nodes:
         h = held.get(node.node_id)
@@ -131,9 +132,9 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
         local = restorable(node, prompt_len, h.hit, h.ck) if h else 0
         best = Option(node, local, wait + (prompt_len - local) / tps * (1 + load), load, None,
                       _holder(node, prompt_len, h))
-        for peer_id, p in held.items() if node.pulls else ():
-            if peer_id == node.node_id or ns_of.get(peer_id) != node.namespace:
-                continue  # itself, a node whose blocks are another fingerprint's (e.g. another GPU) or a sharded one
+        for peer_id, p in held.items():
+            if peer_id == node.node_id or geometry.get(peer_id) != node.geometry:
+                continue  # itself, or a node whose blocks are another fingerprint's (another GPU, another split)
             peer_tokens = restorable(node, prompt_len, p.disk, p.ck_disk)
             if peer_tokens <= local:
                 continue
@@ -144,19 +145,19 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
             ttft = wait + (prompt_len - peer_tokens) / tps * (1 + load) + nbytes / link
             if ttft < best.ttft_s:
                 best = Option(node, peer_tokens, ttft, load,
-                              FetchPlan(peer_id, start, end, node.recurrent, peer_tokens, nbytes))
+                              FetchPlan(peer_id, start, end, node.recurrent, peer_tokens, nbytes, ranks[peer_id]))
         out.append(best)
     return out
 
 
 def _holder(node: ReplicaInfo, prompt_len: int, h: Optional[Holding]) -> Optional[FetchPlan]:
-    """The node's own disk prefix as a pull from it (see Option.holder); none from a sharded replica."""
-    tokens = restorable(node, prompt_len, h.disk, h.ck_disk) if h and node.pulls else 0
+    """The node's own disk prefix as a pull from it (see Option.holder)."""
+    tokens = restorable(node, prompt_len, h.disk, h.ck_disk) if h else 0
     if not tokens:
         return None
     end = -(-tokens // node.block_tokens)
     nbytes = end * int(h.lease.get("block_bytes") or 0) + (int(h.lease.get("state_bytes") or 0) if node.recurrent else 0)
-    return FetchPlan(node.node_id, 0, end, node.recurrent, tokens, nbytes)
+    return FetchPlan(node.node_id, 0, end, node.recurrent, tokens, nbytes, node.ranks)
 
 
 def choose(opts: list[Option], load_factor: float, policy: str = "affinity", recent: Optional[dict] = None,

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import ray
 
+from cluster.actors.plan import FetchPlan
 from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec
 from cluster.node import current_node
 
@@ -83,11 +84,28 @@ class ShardRank:
         self.rank = rank
         parts = self.scheduler.run(lambda: load_rank(self.spec, self.app, self.node.data_dir, rank, addresses,
                                                      getattr(self, "link", None), devices))
-        self.disk = parts.disk
-        self.scheduler.join(Lockstep(parts.group, leader), parts.rebuild, parts.read_ahead)
+        self.disk, self.parts = parts.disk, parts
+        self.scheduler.join(Lockstep(parts.group, leader), parts.rebuild, self._reader(parts.read_ahead))
         log.info("rank %d of %s ready on node %s in %.1f s", self.rank, self.spec.name, self.node.node_id,
                  time.monotonic() - t0)
-        return {"rank": self.rank, "node_id": self.node.node_id, "node_name": self.node.name}
+        return {"rank": self.rank, "node_id": self.node.node_id, "node_name": self.node.name,
+                "namespace_hex": parts.namespace.hex() if parts.namespace is not None else None}
+
+    def _reader(self, read_ahead: Optional[Callable]) -> Optional[Callable]:
+        """The leader's `prefetch` item -> this rank's read, pulling its own blocks from its counterpart's node
+        where the leader's plan pulls (none where that node is this one: its disk is already read)."""
+        if read_ahead is None:
+            return None
+
+        def read(prompt: list[int], pull: Optional[dict]) -> None:
+            plan = FetchPlan.from_shared(pull).for_rank(self.rank) if pull else None
+            read_ahead(prompt, plan if plan is not None and plan.peer != self.node.node_id else None)
+        return read
+
+    def cache_stats(self) -> Optional[dict]:
+        """This rank's prefix cache, for the leader's status (None before `start`)."""
+        parts = getattr(self, "parts", None)
+        return parts.cache_stats() if parts is not None else None
 
     def alive(self) -> bool:
         return self.scheduler.alive
@@ -113,8 +131,34 @@ class Follower:
 
     group: object  # its mx.distributed group
     rebuild: Callable  # the leader's request -> this rank's Sequence (engine/lockstep.py)
-    read_ahead: Optional[Callable[[list[int]], None]]  # starts its read of a prompt's prefix (shard_restore.py)
-    disk: Optional[object]  # its cache's DiskClient, or None
+    setup: object  # its CacheSetup: its own prefix cache, or why it has none
+    restore: Optional[object]  # its side of the ranks' agreement (kvcache/shard_restore.py), with a cache
+
+    @property
+    def read_ahead(self) -> Optional[Callable]:
+        """(prompt, pull) starts its read of a prompt's prefix."""
+        return self.restore.read_ahead if self.restore is not None else None
+
+    @property
+    def disk(self):
+        """Its cache's DiskClient, or None."""
+        return self.setup.cache.tiers.disk if self.setup.cache is not None else None
+
+    @property
+    def namespace(self) -> Optional[bytes]:
+        """Its cache's fingerprint (its rank's), or None."""
+        return self.setup.cache.namespace if self.setup.cache is not None else None
+
+    def cache_stats(self) -> dict:
+        """Its cache as status shows the leader's (replica.py cache_stats): read off the model thread, counters only."""
+        pc = self.setup.cache
+        if pc is None:
+            return {"enabled": False, "reason": self.setup.disabled_reason}
+        peers = self.restore.admission.peers
+        return {"enabled": True, "namespace": self.setup.fingerprint.short, "namespace_hex": pc.namespace.hex(),
+                "shard_restore": self.restore.stats(),
+                "migration": {**peers.counters, "link_bytes_per_s": {k: round(v) for k, v in peers.link_bps.items()}},
+                **pc.stats()}
 
 
 def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addresses: list[str],
@@ -136,6 +180,7 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     from cluster.engine.sequence import Sequence
     from cluster.engine.sharding import geometry, join_group, shard
     from cluster.kvcache.admission import ADMISSION_THREADS, Admission
+    from cluster.kvcache.peers import PeerClient
     from cluster.kvcache.session import BlockSession
     from cluster.kvcache.setup import setup_cache
     from cluster.kvcache.shard_restore import ShardRestore, cache_on_every_rank
@@ -145,13 +190,15 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     model_dir = resolve_model(spec.source, Path(app.data_dir).expanduser())
     model, tokenizer = load(str(model_dir), lazy=True)
     shard(model, group, spec.shard_mode)
-    pc = cache_on_every_rank(setup_cache(model, tokenizer, model_dir, app.cache, node_dir, store_link=link,
-                                         prefill_step=spec.prefill_step_tokens,
-                                         shard=geometry(spec.shard_mode, spec.shards, rank)), group).cache
+    setup = cache_on_every_rank(setup_cache(model, tokenizer, model_dir, app.cache, node_dir, store_link=link,
+                                            prefill_step=spec.prefill_step_tokens,
+                                            shard=geometry(spec.shard_mode, spec.shards, rank)), group)
+    pc = setup.cache
     schedule = pc.schedule if pc is not None else \
         Schedule.of(app.cache.resume_at, app.cache.block_tokens, spec.prefill_step_tokens)
     new_caches = pc.new_caches if pc is not None else (lambda: make_prompt_cache(model))
-    restore = ShardRestore(Admission(pc), group, ThreadPoolExecutor(ADMISSION_THREADS, f"mlx-fleet-admit-r{rank}")) \
+    restore = ShardRestore(Admission(pc, peers=PeerClient(pc.namespace), fetch_timeout_s=app.routing.fetch_timeout_s),
+                           group, ThreadPoolExecutor(ADMISSION_THREADS, f"mlx-fleet-admit-r{rank}")) \
         if pc is not None else None
     grammars = Grammars(tokenizer._tokenizer)
 
@@ -162,8 +209,7 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
         seq = Sequence(prompt, params, model, tokenizer, session, prefill_step, grammars)
         seq.compile_grammar()
         return seq
-    return Follower(group, rebuild, restore.read_ahead if restore is not None else None,
-                    pc.tiers.disk if pc is not None else None)
+    return Follower(group, rebuild, setup, restore)
 
 
 def rdma_links(spec: ModelSpec) -> Optional[list]:
@@ -220,7 +266,9 @@ class ShardGroup:
         self._starts = [a.start.remote(self.addresses, r, self.rank, self.devices)
                         for a, r in zip(self.actors, ranks[1:])]
         self.group = None
+        self.node_id = node_id
         self.ranks: list[dict] = []
+        self.caches: dict[int, dict] = {}  # each follower's cache stats by rank, as last read (`refresh`)
 
     def geometry(self) -> dict:
         """The leader's place in the model (its cache's fingerprint names it)."""
@@ -287,8 +335,26 @@ class ShardGroup:
         if dead:
             raise RuntimeError(f"rank(s) {dead} of {self.spec.name} lost their model thread")
 
+    def rank_caches(self, namespace: bytes) -> list[dict]:
+        """Each rank's node and cache fingerprint, by rank (the leader's is `namespace`): the router plans pulls
+        between sharded replicas that agree on all of them (fleet_view.py ReplicaInfo.geometry)."""
+        mine = {"rank": self.rank, "node_id": self.node_id, "namespace_hex": namespace.hex()}
+        return sorted([mine, *({k: r.get(k) for k in ("rank", "node_id", "namespace_hex")} for r in self.ranks)],
+                      key=lambda r: r["rank"])
+
+    def refresh(self, timeout_s: float = 2.0) -> None:
+        """Read each follower's cache stats (the replica's metrics thread: never where a request waits)."""
+        try:
+            got = ray.get([a.cache_stats.remote() for a in self.actors], timeout=timeout_s)
+        except Exception as e:  # a follower gone or slow: its last stats stay (the health check acts on it)
+            log.debug("%s: follower stats not read: %s", self.spec.name, e)
+            return
+        self.caches = {r["rank"]: c for r, c in zip(self.ranks, got) if c is not None}
+
     def stats(self, node: dict) -> dict:
-        """`nodes`: the leader's (`node`) first, then its followers', each with its rank."""
+        """`nodes`: the leader's (`node`) first, then its followers', each with its rank and its cache's stats (as
+        last read: `refresh`; the leader's own are the replica's `cache`)."""
         return {"size": self.spec.shards, "mode": self.spec.shard_mode, "backend": self.spec.shard_backend,
                 "nodes": [{**node, "rank": self.rank}] + [{"node_id": r["node_id"], "node_name": r["node_name"],
-                                                           "rank": r["rank"]} for r in self.ranks]}
+                                                           "rank": r["rank"], "cache": self.caches.get(r["rank"])}
+                                                          for r in self.ranks]}

@@ -5,7 +5,8 @@ Until `join`, it is a plain Scheduler (the model loads on its thread). Then:
   cancellation) and shares it before the turn that takes it in; a turn with nothing to run is not shared;
 - a follower takes each turn's items from the leader, rebuilds the requests and runs the same turn;
 - a cached request's prompt goes ahead of it (`read_ahead`), as the leader's admission starts to read its
-  prefix, so that each follower reads its own off its model thread meanwhile (kvcache/shard_restore.py);
+  prefix, so that each follower reads its own off its model thread meanwhile (kvcache/shard_restore.py), and
+  pulls its own from its counterpart in a peer replica where the leader's route plan pulls;
 - a lost rank (MLX's backend says "connection to a peer was lost") breaks the replica: every request gets a
   retryable 503 from then on, a follower stops, and the leader's health check fails so Serve replaces it whole;
 - the leader stopping stops its followers;
@@ -30,7 +31,7 @@ class ShardedScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         self.lockstep: Lockstep | None = None  # before the base starts the model thread, which reads them
         self._rebuild: Rebuild | None = None
-        self._read_ahead: Callable[[list[int]], None] | None = None
+        self._read_ahead: Callable[[list[int], dict | None], None] | None = None
         self._turn_items: list[dict] = []
         self._open: dict[str, Emit] = {}  # each request not yet ended, and where its events go
         self._open_lock = threading.Lock()
@@ -65,7 +66,7 @@ class ShardedScheduler(Scheduler):
                 emit([Failed(self.broken, status=503)])
 
     def join(self, lockstep: Lockstep, rebuild: Rebuild | None = None,
-             read_ahead: Callable[[list[int]], None] | None = None) -> None:
+             read_ahead: Callable[[list[int], dict | None], None] | None = None) -> None:
         """From now on run in lockstep with the other ranks: the leader leads, the others follow (they need `rebuild`;
         `read_ahead` starts a follower's read of a prompt's cached prefix) until the leader stops. Call it once the
         model is loaded, before any request."""
@@ -76,10 +77,11 @@ class ShardedScheduler(Scheduler):
             self.lockstep, self._rebuild, self._read_ahead = lockstep, rebuild, read_ahead
         self.run(set_)
 
-    def read_ahead(self, prompt: list[int]) -> None:
-        """The leader, as its admission starts to read `prompt`'s cached prefix: the followers start theirs
-        (the next turn's share carries it; an idle leader runs a turn for it)."""
-        item = {"prefetch": prompt}
+    def read_ahead(self, prompt: list[int], pull: dict | None = None) -> None:
+        """The leader, as its admission starts to read `prompt`'s cached prefix (and to pull it, where the route
+        plan says: `pull`, actors/plan.py FetchPlan.shared): the followers start theirs (the next turn's share
+        carries it; an idle leader runs a turn for it)."""
+        item = {"prefetch": prompt, "pull": pull}
         self.call(lambda: self._turn_items.append(item) if self._leads else None)
 
     @property
@@ -136,7 +138,7 @@ class ShardedScheduler(Scheduler):
                 super()._add(Job(item["add"], rebuilt(item, self._rebuild), lambda events: None))
             elif "prefetch" in item:
                 if self._read_ahead is not None:
-                    self._read_ahead(list(item["prefetch"]))
+                    self._read_ahead(list(item["prefetch"]), item.get("pull"))
             else:
                 super()._cancel(item["cancel"])
         return True

@@ -32,6 +32,9 @@ def render(status: dict) -> str:
             lines.append(f"      shards: {sh['size']} ({sh['mode']} parallel, {sh.get('backend', 'ring')}) over "
                          + ", ".join(f"rank {n.get('rank', i)} {n['node_id']}" + (" (leads)" if i == 0 else "")
                                      for i, n in enumerate(sh["nodes"])))
+            for n in sh["nodes"][1:]:  # each follower's own cache (its heads' blocks, on its node)
+                if n.get("cache"):
+                    lines.append(f"      rank {n.get('rank')} {_cache_line(n['cache'])}{_rank_reads(n['cache'])}")
         lines.append("      " + _cache_line(r.get("cache", {})))
         if (r.get("cache") or {}).get("enabled"):
             lines.append("      " + _hot_path_line(r["cache"]))
@@ -97,6 +100,15 @@ def _cache_line(cache: dict) -> str:
             f"{ram['bytes'] / 2**20:.1f}/{ram['budget'] / 2**20:.0f} MiB, served {ram['hits']} blocks, {ram['misses']} "
             f"not in RAM, evictions {ram['evictions']}, stored {cache['blocks_stored']} blocks "
             f"{cache['checkpoints_stored']} checkpoints, corrupt {bad or 0}{spill_text}")
+
+
+def _rank_reads(cache: dict) -> str:
+    """A follower's reads at its leader's word, and what it pulled from its counterparts (kvcache/shard_restore.py)."""
+    if not cache.get("enabled"):
+        return ""
+    restore, pulled = cache.get("shard_restore") or {}, cache.get("migration") or {}
+    return (f", its reads {restore.get('reads', 0)} ({restore.get('late_reads', 0)} late), pulled "
+            f"{pulled.get('blocks', 0)} blocks ({pulled.get('failures', 0)} failed)")
 
 
 def _hot_path_line(cache: dict) -> str:

@@ -131,10 +131,11 @@ class Admission:
                     checkpoints.discard(j + 1)
         return Prefetch(ids=ids)
 
-    def fetch_own(self, prompt: list[int]) -> Prefetch:
-        """A sharded replica's follower's read (admission threads): the longest prefix its tiers hold, read and
-        decoded, with no restore-or-recompute choice and no pull; the ranks then agree (shard_restore.py)."""
-        return self.fetch(prompt, choose=False)
+    def fetch_own(self, prompt: list[int], pull: Optional[FetchPlan] = None) -> Prefetch:
+        """A sharded replica's follower's read (admission threads): the longest prefix its tiers hold (after
+        `pull`, its part of the leader's route plan), read and decoded, with no restore-or-recompute choice (the
+        leader makes it); the ranks then agree (shard_restore.py)."""
+        return self.fetch(prompt, pull, choose=False)
 
     def restorable(self, prompt: list[int], disk: bool = True) -> int:
         """The most tokens of `prompt` this process's tiers (`disk`: its disk too) could restore (its tail's, or
@@ -193,7 +194,7 @@ class Admission:
         pc = self.cache
         end = min(plan.end_block, len(ids))
         reads = [("kv", j, ids[j]) for j in range(have, end)]
-        if plan.checkpoint and end:
+        if pc.layout.has_recurrent and end:  # this process's layers say (a pipeline rank's may differ from its leader's)
             reads.append(("state", end - 1, state_key(ids[end - 1])))
         datas = self.peers.fetch(plan.peer, [k for _, _, k in reads], plan.nbytes // max(len(reads), 1),
                                  self.fetch_timeout_s)

@@ -17,7 +17,9 @@ Two one-integer collectives per cached request; a cold request (`use_cache` off)
 No rank's model thread waits on its disk. The leader reads at admission, on its admission threads, and before
 that tells its followers the prompt (a `prefetch` item of the next turn's share: lockstep.py). Each follower
 then reads, on admission threads of its own, the longest prefix its tiers hold (`Admission.fetch_own`), at
-the same time as the leader reads its own. At the agreement a follower offers what its read brought, waiting
+the same time as the leader reads its own. Where the leader's route plan pulls the prefix from a peer replica of
+the same geometry, each rank pulls its own heads' blocks from its counterpart's node (rank r from the peer's
+rank r) in that read, checked like any block that enters the process. At the agreement a follower offers what its read brought, waiting
 `FOLLOWER_WAIT_S` at most for it; a read not done by then, or one never started, is replaced by what RAM alone
 holds. Once the ranks agree on less than a rank read, it keeps that many tokens of what it read and of its RAM,
 never the disk (`Admission.fetch_exactly`).
@@ -56,12 +58,13 @@ class ShardRestore:
         self.agreed = self.short = self.dropped = 0  # restores agreed, cut below this rank's offer, dropped
         self.reads = self.late = 0  # a follower's reads offered, and those not done in time (RAM alone offered)
 
-    def read_ahead(self, prompt: list[int]) -> None:
-        """A follower, told by the leader that `prompt` is coming: read its prefix off the model thread now."""
+    def read_ahead(self, prompt: list[int], pull=None) -> None:
+        """A follower, told by the leader that `prompt` is coming: read its prefix off the model thread now, and
+        pull what `pull` (this rank's part of the leader's route plan: admission.py FetchPlan) says first."""
         if self.executor is None:
             return
         key = tuple(prompt)
-        self._reads.setdefault(key, []).append(self.executor.submit(self.admission.fetch_own, prompt))
+        self._reads.setdefault(key, []).append(self.executor.submit(self.admission.fetch_own, prompt, pull))
         self._reads.move_to_end(key)
         while sum(len(v) for v in self._reads.values()) > PENDING_READS:
             _, old = self._reads.popitem(last=False)

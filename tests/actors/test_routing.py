@@ -5,6 +5,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
+import msgpack
 import pytest
 
 from cluster.actors.fleet_view import ReplicaInfo
@@ -76,16 +77,23 @@ def test_only_what_a_peer_has_on_disk_can_be_pulled_and_only_within_a_namespace(
     assert opts["n2"].fetch is None  # another fingerprint's blocks are no use to n2
 
 
-def test_no_pull_is_planned_to_or_from_a_sharded_replica():
-    # Two sharded replicas whose leaders share a rank share a namespace; their blocks are their ranks' (each on its
-    # own node), which no pull moves yet: the cost model must not count on one, either way.
-    sharded = [node(0, pulls=False), node(1, pulls=False)]
-    opts = {o.node.node_id: o for o in options(2048, sharded, {"n1": holding(1, hit=30, disk=30)}, {"n1": 5}, CFG)}
-    assert opts["n0"].fetch is None and opts["n0"].tokens == 0
-    assert opts["n1"].holder is None and opts["n1"].tokens == 1920  # its own RAM and disk still count
-    mixed = {o.node.node_id: o for o in options(2048, [node(0), node(1, pulls=False)],
-                                                {"n1": holding(1, hit=30, disk=30)}, {"n1": 5}, CFG)}
-    assert mixed["n0"].fetch is None
+def test_a_sharded_replica_pulls_rank_to_rank_only_from_one_of_the_same_geometry():
+    """A's leader is rank 0 (n0, with n2), B's is rank 1 (n1, with n3): their leaders' namespaces differ, but every
+    rank's agrees, so A pulls B's prefix, each rank from its counterpart's node. A replica that agrees on some
+    ranks only, or an unsharded one, pulls nothing: its heads are other ones."""
+    R0, R1 = b"0" * 32, b"1" * 32
+    a = node(0, ns=R0, ranks=("n0", "n2"), rank_namespaces=(R0, R1))
+    b = node(1, ns=R1, ranks=("n3", "n1"), rank_namespaces=(R0, R1))
+    other = node(4, ns=R0, ranks=("n4", "n5"), rank_namespaces=(R0, b"x" * 32))
+    whole = node(6, ns=R0)
+    opts = {o.node.node_id: o for o in options(2048, [a, b, other, whole], {"n1": holding(1, hit=30, disk=30)},
+                                               {"n1": 5}, CFG)}
+    f = opts["n0"].fetch
+    assert (f.peer, f.peer_ranks, f.end_block, opts["n0"].tokens) == ("n1", ("n3", "n1"), 30, 1920)
+    assert [f.for_rank(r).peer for r in (0, 1)] == ["n3", "n1"] and f.for_rank(1).peer_ranks == ()
+    assert type(f).from_shared(msgpack.unpackb(msgpack.packb(f.shared()))) == f  # as a leader tells its followers
+    assert opts["n4"].fetch is None and opts["n6"].fetch is None
+    assert opts["n1"].holder.peer_ranks == ("n3", "n1")  # a replica the router moves it to pulls the same way
 
 
 def test_nobody_holding_anything_is_a_miss_that_goes_to_the_least_loaded():

@@ -56,7 +56,12 @@ def test_one_replica_spans_both_nodes_and_says_so(fleet):
     assert replica["node_id"] == shards["nodes"][0]["node_id"]  # the leader's first; ranks follow the node ids
     assert [n["rank"] for n in shards["nodes"]] == ranks_by_node([n["node_id"] for n in shards["nodes"]])
     cache = replica["cache"]  # each rank keeps its own heads' blocks in RAM and on its disk; the leader announces
-    assert cache["enabled"] and cache["migration"] is None and cache["pulls"] is False and cache["index"] is not None
+    assert cache["enabled"] and cache["migration"]["blocks"] == 0 and cache["index"] is not None
+    # Every rank's node and fingerprint, by rank: a peer replica pulls from this one, rank to rank, only if all agree
+    ranks = cache["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["node_id"] for r in ranks} == {n["node_id"] for n in shards["nodes"]}
+    assert len({r["namespace_hex"] for r in ranks}) == 2 and cache["namespace_hex"] == ranks[shards["nodes"][0]["rank"]][
+        "namespace_hex"]
     assert cache["shard_restore"] == {"agreed": 0, "cut_short": 0, "dropped": 0, "reads": 0, "late_reads": 0}
 
 
@@ -77,7 +82,8 @@ def test_greedy_answers_are_the_whole_models(fleet, whole):
 def test_a_repeated_prompt_is_restored_on_both_ranks_and_is_the_cold_answer_bitwise(fleet):
     body = {"model": MODEL, "prompt": " ".join(["Both ranks keep their own heads of every block."] * 30),
             "max_tokens": 12, "temperature": 0, "logprobs": 5}
-    before = shard_restore(fleet)
+    before = shard_restore(fleet)  # every rank agrees on every cached request: a follower's count is its leader's
+    theirs = follower_cache(fleet, lambda c: c["shard_restore"]["agreed"] == before["agreed"])
     first, again = [httpx.post(fleet.url + "/v1/completions", json=body, timeout=120) for _ in range(2)]
     cold = httpx.post(fleet.url + "/v1/completions", json=body, timeout=120, headers={"x-fleet-cache": "bypass"})
     assert [r.status_code for r in (first, again, cold)] == [200] * 3
@@ -90,6 +96,24 @@ def test_a_repeated_prompt_is_restored_on_both_ranks_and_is_the_cold_answer_bitw
     assert again.json()["choices"][0]["logprobs"] == cold.json()["choices"][0]["logprobs"] \
         == first.json()["choices"][0]["logprobs"]
     assert shard_restore(fleet) == {**before, "agreed": before["agreed"] + 2}  # the bypassed run has none
+    # The follower's own cache, in status: it read its blocks at the leader's word, in time, and restored as many
+    now = follower_cache(fleet, lambda c: c["shard_restore"]["agreed"] == before["agreed"] + 2)
+    assert now["hit_tokens"] == theirs["hit_tokens"] + cached[1]
+    assert now["shard_restore"] == {**theirs["shard_restore"], "agreed": before["agreed"] + 2,
+                                    "reads": theirs["shard_restore"]["reads"] + 2}
+
+
+def follower_cache(fleet, until) -> dict:
+    """The follower's cache stats, once `until` holds for them (the leader reads them every few seconds)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = httpx.get(fleet.url + "/v1/fleet/status", timeout=30).json()
+        [replica] = [r for r in status["replicas"] if r["model"] == MODEL]
+        cache = replica["shards"]["nodes"][1].get("cache")
+        if cache and until(cache):
+            return cache
+        time.sleep(0.5)
+    raise AssertionError("the follower's cache stats did not come in 30 s")
 
 
 def shard_restore(fleet) -> dict:

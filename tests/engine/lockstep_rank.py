@@ -14,6 +14,12 @@ serves one prompt cold, again (restored on both ranks), and a third time after t
 its blocks (it does so when the leader tells it the prompt is coming, before it reads): the ranks then agree
 on nothing and both prefill cold. Before each, the leader tells the follower the prompt (`read_ahead`), as a
 replica's admission does, and the follower reads its blocks on admission threads of its own.
+
+Then migration, rank to rank: a second cache on each rank (a "peer replica" of the same geometry, with a
+disk) serves the prompt once and writes its blocks to its store; a third, empty one (a "fresh replica")
+serves it with a route plan that pulls from the peer, whose rank r is at node `peer-r{r}`. Each rank pulls its
+own heads' blocks from its counterpart (FetchPlan.for_rank), the leader at admission and the follower in its
+read, and both restore them.
 """
 
 from __future__ import annotations
@@ -47,7 +53,11 @@ def main() -> int:
     from cluster.engine.cold_session import ColdSession
     from cluster.engine.sharding import geometry
     from cluster.engine.sharding import shard as split
+    from cluster.actors.plan import FetchPlan
     from cluster.kvcache.admission import Admission
+    from cluster.kvcache.peers import PeerClient
+    from cluster.kvcache.store_link import LocalLink
+    from cluster.store.disk_tier import DiskStore
     from cluster.kvcache.session import BlockSession
     from cluster.kvcache.setup import CacheSetup, setup_cache
     from cluster.kvcache.shard_restore import ShardRestore, cache_on_every_rank
@@ -97,22 +107,36 @@ def main() -> int:
                             shard=geometry(mode, 2, rank))  # its probes are forwards: both ranks, here
         alone = cache_on_every_rank(setup if leads else CacheSetup(None, None, "off"), group)  # one rank without
         result["alone"] = alone.disabled_reason if alone.cache is None else "kept"
-        return cache_on_every_rank(setup, group).cache
-    pc = scheduler.run(shard)
+        peer_store = DiskStore(Path(out).parent / f"peer{rank}")
+        caches = [cache_on_every_rank(setup, group).cache]
+        for d, link in [("peer", LocalLink(peer_store)), ("fresh", None)]:  # a peer replica's rank, a fresh one's
+            caches.append(setup_cache(model, tok, resolve_model(name, data_dir), CacheConfig(block_tokens=32, ram_bytes=1 << 30),
+                                      Path(out).parent / f"{d}{rank}", store_link=link, prefill_step=64,
+                                      shard=geometry(mode, 2, rank)).cache)
+        return caches, peer_store
+    (pc, peer_pc, fresh_pc), peer_store = scheduler.run(shard)
     admission = Admission(pc)
     restore = ShardRestore(admission, group, ThreadPoolExecutor(2) if not leads else None)
+    fresh = Admission(fresh_pc, peers=PeerClient(fresh_pc.namespace, local_stores={f"peer-r{rank}": peer_store}))
+    restores = {id(pc): restore, id(peer_pc): ShardRestore(Admission(peer_pc), group, ThreadPoolExecutor(2)),
+                id(fresh_pc): ShardRestore(fresh, group, ThreadPoolExecutor(2) if not leads else None)}
+    order = [pc, pc, pc, peer_pc, fresh_pc]  # each cached run's cache, on both ranks
     generated: dict[str, list[int]] = {}
     told = []
 
-    def read_ahead(prompt):
+    def read_ahead(prompt, pull=None):
         told.append(len(prompt))
         if len(told) == 3:  # the third cached run: this rank loses its blocks, so the ranks must agree on none
             for key in pc.tiers.ram.keys():
                 pc.tiers.ram.discard(key)
-        restore.read_ahead(prompt)
+        if len(told) == 5:  # the peer's blocks are on its disk by the time a route plan names it
+            assert peer_pc.tiers.disk.flush(30)
+        plan = FetchPlan.from_shared(pull).for_rank(rank) if pull else None  # as a ShardRank's reader does
+        restores[id(order[len(told) - 1])].read_ahead(prompt, plan)
 
     def rebuild(prompt, params, step, cached):
-        s = Sequence(prompt, params, model, tok, BlockSession(pc, prompt, None, restore), step) if cached \
+        c = order[len(told) - 1]
+        s = Sequence(prompt, params, model, tok, BlockSession(c, prompt, None, restores[id(c)]), step) if cached \
             else seq(prompt, params, step)
         generated[str(len(generated))] = s.generated  # the same object: filled as the follower decodes
         return s
@@ -128,11 +152,19 @@ def main() -> int:
         result["cancelled_after"] = len(cancel.generated)
         result["generated"] = [cancel.generated] + [s.generated for s in seqs]  # in the order submitted
         cached = []
-        for i in range(3):  # cold, restored, and (the follower's blocks gone) cold on both ranks
+        # cold, restored, (the follower's blocks gone) cold on both ranks; the peer's run, and the fresh one's pull
+        end = len(CACHED_PROMPT) // 32
+        plan = FetchPlan("peer-r0", 0, end, fresh_pc.layout.has_recurrent, end * 32, end * fresh_pc.block_bytes,
+                         ("peer-r0", "peer-r1"))
+        for i, c in enumerate(order):
             params = GenerationParams(max_tokens=GREEDY, record_logits=True)
-            scheduler.read_ahead(CACHED_PROMPT)  # as a replica's admission does
-            prefetch = admission.fetch(CACHED_PROMPT)
-            s = Sequence(CACHED_PROMPT, params, model, tok, BlockSession(pc, CACHED_PROMPT, prefetch, restore), 64)
+            pull = plan if c is fresh_pc else None
+            scheduler.read_ahead(CACHED_PROMPT, pull.shared() if pull else None)  # as a replica's admission does
+            if c is fresh_pc:
+                assert peer_pc.tiers.disk.flush(30)
+            prefetch = restores[id(c)].admission.fetch(CACHED_PROMPT, pull.for_rank(rank) if pull else None)
+            s = Sequence(CACHED_PROMPT, params, model, tok, BlockSession(c, CACHED_PROMPT, prefetch, restores[id(c)]),
+                         64)
             [events] = scheduler.run_all([s], timeout_s=120)
             logits = scheduler.run(lambda: mx.stack(s.logits).astype(mx.float32).tolist())
             started = next(e for e in events if isinstance(e, Started))
@@ -140,13 +172,14 @@ def main() -> int:
                            "tokens": list(s.generated)})
             result["generated"].append(s.generated)
         result["cached"] = cached
-        result["restore"] = restore.stats()
         scheduler.stop()
     else:
         while scheduler.alive:  # until the leader stops: its last item stops this rank too
             time.sleep(0.05)
         result["generated"] = [generated[str(i)] for i in range(len(generated))]
-        result["restore"] = restore.stats()
+    result["restore"] = restore.stats()
+    result["pulled"] = {"restore": restores[id(fresh_pc)].stats(), "blocks": fresh.peers.counters["blocks"],
+                        "checkpoint": fresh_pc.layout.has_recurrent}  # this rank's layers have recurrent ones
     Path(out).write_text(json.dumps(result))
     return 0
 

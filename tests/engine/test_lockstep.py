@@ -66,11 +66,17 @@ def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, lead, data_dir
     # A rank without a cache turns it off on every rank, at start (here the follower said "off").
     assert leader["alone"].startswith("another rank of this sharded replica runs without a prefix cache")
     assert follower["alone"] == "off"
-    cold, warm, dropped = leader["cached"]
-    assert cold["offered"] == 0 and warm["offered"] == dropped["offered"] > 0
-    assert (cold["cached_tokens"], warm["cached_tokens"], dropped["cached_tokens"]) == (0, warm["offered"], 0)
-    assert warm["tokens"] == cold["tokens"] == dropped["tokens"]
-    assert warm["logits"] == cold["logits"]  # bitwise: the same float32 values, every step
+    cold, warm, dropped, peer, pulled = leader["cached"]
+    assert cold["offered"] == peer["offered"] == 0 and warm["offered"] == dropped["offered"] == pulled["offered"] > 0
+    assert [c["cached_tokens"] for c in leader["cached"]] == [0, warm["offered"], 0, 0, warm["offered"]]
+    assert warm["tokens"] == cold["tokens"] == dropped["tokens"] == peer["tokens"] == pulled["tokens"]
+    assert warm["logits"] == cold["logits"] == pulled["logits"]  # bitwise: the same float32 values, every step
+    # A fresh replica's ranks each pulled their own heads' blocks from their counterpart in the peer (the leader
+    # at admission, the follower in its read), and both restored them: one agreement, nothing cut.
+    for rank, reads in [(leader, 0), (follower, 1)]:  # the KV blocks, and the checkpoint where its layers need one
+        got = rank["pulled"]
+        assert got == {"restore": {"agreed": 1, "cut_short": 0, "dropped": 0, "reads": reads, "late_reads": 0},
+                       "blocks": pulled["offered"] // 32 + got["checkpoint"], "checkpoint": got["checkpoint"]}
     assert leader["restore"] == {"agreed": 3, "cut_short": 1, "dropped": 0, "reads": 0, "late_reads": 0}  # it
     # offered blocks the third time; the follower offered what its own reads brought, each in time
     assert follower["restore"] == {"agreed": 3, "cut_short": 0, "dropped": 0, "reads": 3, "late_reads": 0}

@@ -44,6 +44,23 @@ def test_a_sharded_replica_names_every_rank_and_its_node():
     assert "shards:" not in render(status(replica(shards=None)))
 
 
+def test_a_followers_line_says_what_its_own_cache_holds_read_and_pulled():
+    cache = {"enabled": True, "namespace": "3f2a9c1e", "block_tokens": 32, "blocks_stored": 9, "checkpoints_stored": 0,
+             "ram": {"blocks": 9, "bytes": 3 << 20, "budget": 1 << 30, "hits": 12, "misses": 2, "evictions": 0},
+             "spill": {"queued": 0, "spilled": 9, "dropped_spills": 0},
+             "shard_restore": {"agreed": 4, "cut_short": 0, "dropped": 0, "reads": 4, "late_reads": 1},
+             "migration": {"fetches": 1, "blocks": 6, "bytes": 1 << 20, "failures": 0, "seconds": 0.01}}
+    nodes = [{"node_id": "node-0-1a2b3c4d", "node_name": "a", "rank": 0},
+             {"node_id": "node-1-5e6f7a8b", "node_name": "b", "rank": 1, "cache": cache}]
+    lines = render(status(replica(shards={"size": 2, "mode": "tensor", "backend": "ring", "nodes": nodes}))).splitlines()
+    assert lines[lines.index("replicas:") + 4] == (
+        "      rank 1 cache 3f2a9c1e, 32-token blocks: ram 9 blocks 3.0/1024 MiB, served 12 blocks, 2 not in RAM, "
+        "evictions 0, stored 9 blocks 0 checkpoints, corrupt 0, spill queued 0 spilled 9 dropped 0, its reads 4 "
+        "(1 late), pulled 6 blocks (0 failed)")
+    unread = [{**n, "cache": None} for n in nodes]  # not read yet (the first period), or a follower without one
+    assert "rank 1 cache" not in render(status(replica(shards={"size": 2, "mode": "tensor", "nodes": unread})))
+
+
 def test_replica_ages_read_in_seconds_minutes_or_hours():
     lines = [render(status(replica(renewed=1000.0 + s))).splitlines() for s in (42, 3600 * 2 + 420)]
     ages = [ls[ls.index("replicas:") + 1].rsplit("(", 1)[1] for ls in lines]

@@ -11,11 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
+from cluster.actors.plan import FetchPlan
 from cluster.engine import model_thread
 from cluster.kvcache import shard_restore
 from cluster.kvcache.admission import Admission
+from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.session import BlockSession
 from cluster.kvcache.shard_restore import ShardRestore
+from cluster.store.hashing import chain_ids
 from tests.kvcache.conftest import forget_ram, prompt_of
 
 
@@ -79,7 +82,7 @@ def test_a_read_not_done_in_time_gives_way_to_ram(disk_only, monkeypatch):
     gate = threading.Event()
     admission = Admission(h.pc)
     real = admission.fetch_own
-    admission.fetch_own = lambda p: (gate.wait(30), real(p))[1]  # a disk slower than the agreement waits
+    admission.fetch_own = lambda p, pull=None: (gate.wait(30), real(p, pull))[1]  # a disk slower than the agreement waits
     restore = ShardRestore(admission, mx.distributed.init(), ThreadPoolExecutor(2, "admit"))
     restore.read_ahead(prompt)
     assert settle_on_a_model_thread(restore, prompt).n == 0
@@ -97,4 +100,31 @@ def test_an_agreement_below_the_read_keeps_that_many_tokens_of_it(disk_only):
     prefetch = admission.fetch_exactly(prompt, shorter, have=read.blocks)
     assert prefetch.n == shorter and asked == []  # from what the read brought: no disk call
     assert admission.fetch_exactly(prompt, shorter).n == 0  # without it, RAM holds nothing: none
+    h.assert_same(h.run_with(prompt, BlockSession(h.pc, prompt, prefetch)), h.cold(prompt))
+
+
+def test_a_follower_pulls_its_own_blocks_from_its_counterpart_and_restores_exactly(disk_harness, tmp_path):
+    """The leader's route plan pulls from a peer replica of the same geometry: this rank (1) reads its blocks from
+    the peer's rank-1 node, on its admission threads, checks them, keeps them on its own disk, and restores
+    exactly. (One process: the peer's rank-1 node is a DiskStore here, reached as a peer's node store is.)"""
+    peer = disk_harness("tiny-dense", node_dir=tmp_path / "peer-r1")
+    prompt = prompt_of(200)
+    peer.warm(prompt, max_tokens=2)
+    assert peer.pc.tiers.disk.flush(30)
+    h = disk_harness("tiny-dense", node_dir=tmp_path / "mine")
+    assert h.pc.namespace == peer.pc.namespace and not any(h.pc.tiers.disk.present(chain_ids(h.pc.namespace,
+                                                                                               prompt, h.B)))
+    end = 192 // h.B
+    plan = FetchPlan("peer-r0", 0, end, False, 192, end * h.pc.block_bytes, ("peer-r0", "peer-r1"))
+    admission = Admission(h.pc, peers=PeerClient(h.pc.namespace, local_stores={"peer-r1": peer.store}))
+    restore = ShardRestore(admission, mx.distributed.init(), ThreadPoolExecutor(2, "admit"))
+    pulled_on = []
+    read_many = peer.store.read_many
+    peer.store.read_many = lambda *a: (pulled_on.append(threading.current_thread().name), read_many(*a))[1]
+    restore.read_ahead(prompt, FetchPlan.from_shared(plan.shared()).for_rank(1))
+    prefetch = settle_on_a_model_thread(restore, prompt)
+    assert (prefetch.n, prefetch.fetched, prefetch.fetched_from) == (h.hit_after(200, 200, 201), 192, "peer-r1")
+    assert pulled_on and "model" not in pulled_on
+    assert admission.peers.counters["blocks"] == end and h.pc.tiers.disk.flush(30)
+    assert all(h.pc.tiers.disk.present(chain_ids(h.pc.namespace, prompt, h.B)[:end]))  # its own now
     h.assert_same(h.run_with(prompt, BlockSession(h.pc, prompt, prefetch)), h.cold(prompt))
