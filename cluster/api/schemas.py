@@ -216,6 +216,10 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _consistent(self):
+        for i, m in enumerate(self.messages):  # as OpenAI: only an assistant turn that calls tools may have none
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise FieldConflict(f"messages.{i}.content", f"a {m.role} message needs content (a string or a list "
+                                    "of text parts); only an assistant message with tool_calls may leave it null")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldConflict("top_logprobs", "top_logprobs needs logprobs: true")
         choice = self.tool_choice

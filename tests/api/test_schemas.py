@@ -71,6 +71,16 @@ def test_bad_role_and_non_text_content():
     assert error_of(ChatCompletionRequest, body).status == 400
 
 
+@pytest.mark.parametrize("message", [{"role": "user", "content": None}, {"role": "user"},
+                                     {"role": "system", "content": None}, {"role": "assistant", "content": None}])
+def test_null_content_is_400_unless_an_assistant_turn_calls_tools(message):
+    err = error_of(ChatCompletionRequest, {"model": "m", "messages": [*MSG, message]})
+    assert (err.status, err.param) == (400, "messages.1.content")
+    assert f"a {message['role']} message needs content" in err.message
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert chat(messages=[*MSG, {"role": "assistant", "content": None, "tool_calls": [call]}]).messages[1].text() == ""
+
+
 def test_text_parts_are_joined():
     r = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
     assert r.messages[0].text() == "ab"
