@@ -207,14 +207,16 @@ def _serve_yaml(tmp_path: Path, redis_url: str, routing: str = "round_robin", sh
     """deploy/serve.yaml with what only a user can fill in: the Redis URL `ray up` printed and a model
     (a built-in one: nothing to download). Two more changes, for this box: a small RAM budget, and
     first round-robin routing, so six requests in a row reach every mini-host whatever their loads.
-    `sharded`: also a model each replica of which spans two mini-hosts, as deploy/serve-sharded.yaml's."""
+    `sharded`: also a model each replica of which spans two mini-hosts, as deploy/serve-sharded.yaml's, in
+    pipeline mode."""
     doc = yaml.safe_load((REPO / "deploy" / "serve.yaml").read_text())
     args = doc["applications"][0]["args"]
     args["models"] = [{"name": "tiny-dense", "source": "tiny-dense"}]
     if sharded:
         sharded_model = yaml.safe_load((REPO / "deploy" / "serve-sharded.yaml").read_text())[
             "applications"][0]["args"]["models"][0]
-        args["models"].append({**sharded_model, "name": "tiny-hybrid", "source": "tiny-hybrid"})
+        # pipeline here: tests/e2e/test_fleet_shards.py runs the file's tensor mode on a local fleet
+        args["models"].append({**sharded_model, "name": "tiny-hybrid", "source": "tiny-hybrid", "shard_mode": "pipeline"})
     args["redis_url"] = redis_url
     args["cache"]["ram_bytes"] = 256 << 20
     args["routing"]["policy"] = routing
@@ -332,8 +334,8 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
         assert any(b[0] != holder and f"from={holder}" in b[1] and "fetched=0" not in b[1] for b in burst), burst
         print(f"affinity and migration across the bridge: {[b[1] for b in burst]} ({time.monotonic() - t0:.0f} s)")
 
-        # The sharded model (deploy/serve-sharded.yaml's settings): one replica over two mini-hosts, tensor
-        # parallel over MLX's ring across the bridge, its answer restored on both ranks the second time.
+        # The sharded model (deploy/serve-sharded.yaml's settings, pipeline mode): one replica over two mini-hosts,
+        # half of the layers each, over MLX's ring across the bridge, its answer restored on both ranks the second time.
         body = {"model": "tiny-hybrid", "prompt": prompt, "max_tokens": 4, "temperature": 0}
         with httpx.Client(base_url=f"http://{IPS[0]}:8000", timeout=120, trust_env=False) as http:
             sharded = [ask(http) for _ in range(2)]
