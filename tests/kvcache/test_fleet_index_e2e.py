@@ -23,13 +23,13 @@ B = 32
 class Node:
     """A harness (real model, RAM and disk tiers) that publishes into the fleet index like a replica."""
 
-    def __init__(self, harness, node_id, url):
+    def __init__(self, harness, node_id, url, **publisher):
         self.h = harness
         self.id = node_id
         self.index = FleetIndex(redis.Redis.from_url(url))
         tiers = harness.pc.tiers
         self.pub = IndexPublisher(self.index, harness.pc.namespace, node_id, tiers, lambda: {"active": 0},
-                                  ttl_s=3.0, flush_s=0.05, gc_s=0.5)
+                                  **{"ttl_s": 3.0, "flush_s": 0.05, "gc_s": 0.5, **publisher})
         tiers.listener = self.pub.on_event
         tiers.disk.on_events = self.pub.on_events
         tiers.disk.on_resync = self.pub.on_disk_resync
@@ -54,8 +54,9 @@ class Node:
 def node(disk_harness, redis_url, tmp_path):
     made = []
 
-    def make(name, node_id="A", **kw):
-        n = Node(disk_harness(name, node_dir=tmp_path / node_id, block_tokens=B, **kw), node_id, redis_url)
+    def make(name, node_id="A", publisher=None, **kw):
+        n = Node(disk_harness(name, node_dir=tmp_path / node_id, block_tokens=B, **kw), node_id, redis_url,
+                 **(publisher or {}))
         made.append(n)
         return n
 
@@ -83,6 +84,19 @@ def test_the_index_predicts_exactly_what_the_node_restores(node, name):
     assert h.hit == h.ram == h.disk == kept // B  # every kept block in both tiers
     if a.h.pc.layout.has_recurrent:
         assert 0 < h.ck <= h.hit and h.ck_disk == h.ck  # hybrids resume only at a checkpoint
+
+
+def test_blocks_are_announced_as_they_are_stored_not_at_the_next_tick(node):
+    """A prompt repeated right after its first run is routed to its blocks: the publisher flushes as events
+    come (its tick, 30 s here, is for the lease), so the index has them without waiting for it."""
+    a = node("tiny-dense", publisher={"flush_s": 30.0, "ttl_s": 90.0})
+    assert a.pub.flush(10)  # the first full announce, at once
+    prompt = prompt_of(130)
+    a.h.warm(prompt, max_tokens=1)
+    deadline = time.monotonic() + 10
+    while (a.holding(prompt).get("A") is None or a.holding(prompt)["A"].ram < 4) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.holding(prompt)["A"].ram == 4 and a.pub.counters["flushes"] >= 1
 
 
 def test_evictions_leave_the_index_and_a_wiped_redis_is_refilled_within_seconds(node):
