@@ -1,6 +1,7 @@
 """Pulling a prefix from a peer against recomputing it, through a real 2-node fleet, in one run.
 
-    mlx-fleet bench migrate [--tokens 2048] [--concurrency 4] [--model tiny-dense] [--kv-codec native [tq4 ...]] [--json out.json]
+    mlx-fleet bench migrate [--tokens 2048] [--concurrency 4] [--model tiny-dense] [--kv-codec native [tq4 ...]]
+                            [--shards N] [--json out.json]
 
 1. One prompt of `tokens` token ids is computed cold on some node (the holder).
 2. `concurrency` fresh prompts of the same length are sent at once: every one
@@ -11,6 +12,10 @@
    under the same concurrency.
 It prints both, their ratio, how many tokens were pulled, and the cost model's
 inputs from `status` (each node's prefill tokens/s, each link's bytes/s).
+
+`--shards N`: two replicas of N nodes each (2N nodes), so a pull goes rank to
+rank, each of the puller's nodes reading its own heads' blocks from its
+counterpart (docs/sharding.md); the followers' pulls are counted from status.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def burst(http: httpx.Client, model: str, prompts: list[list[int]]) -> list[dict
 
 def run(a, codec: str) -> dict:
     """The whole measurement on a fresh 2-node fleet whose blocks use `codec`."""
+    shards = ("--shards", str(a.shards)) if a.shards > 1 else ()
     with tempfile.TemporaryDirectory(prefix="bench-migrate-") as work:
-        with SpawnedFleet(Path(work) / "fleet", 2, (a.model,), extra=("--kv-codec", codec)) as fleet:
+        with SpawnedFleet(Path(work) / "fleet", 2 * a.shards, (a.model,), extra=("--kv-codec", codec, *shards)) as fleet:
             with httpx.Client(base_url=fleet.url, timeout=600, trust_env=False) as http:
                 shared = prompt_tokens(a.tokens, salt=1)
                 holder = first_token(http, a.model, shared)
@@ -64,6 +70,7 @@ def run(a, codec: str) -> dict:
                     and time.monotonic() < deadline:
                 time.sleep(1)
                 status = fleet.status()
+            followers = _follower_pulls(fleet, a.model, bool(any(w["fetched"] for w in warm))) if shards else []
     pulled = [w for w in warm if w["fetched"]]
     local = [w for w in warm if not w["fetched"]]
     cold_p50 = statistics.median(c["ttft_s"] for c in cold)
@@ -71,8 +78,9 @@ def run(a, codec: str) -> dict:
            "cold_ttft_s": [c["ttft_s"] for c in cold], "pulled_ttft_s": [w["ttft_s"] for w in pulled],
            "local_ttft_s": [w["ttft_s"] for w in local], "pulled_tokens": [w["fetched"] for w in pulled],
            "routes": [w["route"] for w in warm], "cost_model": status["fleet"]["cost_model"],
-           "migrated_bytes": status["fleet"]["migrated_bytes"]}
-    print(f"{a.tokens}-token prompt, 2 nodes, {a.concurrency} requests at once, --kv-codec {codec}:")
+           "migrated_bytes": status["fleet"]["migrated_bytes"], "shards": a.shards, "follower_pulls": followers}
+    print(f"{a.tokens}-token prompt, 2 replicas of {a.shards} node(s), {a.concurrency} requests at once, "
+          f"--kv-codec {codec}:")
     print(f"  (alone, cold on the holder: TTFT {holder['ttft_s']:.3f}s)")
     print(f"  cold (recomputed)      TTFT p50 {cold_p50:.3f}s  {['%.2f' % c['ttft_s'] for c in cold]}")
     if pulled:
@@ -89,10 +97,33 @@ def run(a, codec: str) -> dict:
     if local:
         print(f"  on the holder           TTFT p50 {statistics.median(w['ttft_s'] for w in local):.3f}s "
               f"({len(local)} requests)")
+    for f in followers:
+        print(f"  follower rank {f['rank']} of {f['leader']}: pulled {f['blocks']} blocks {f['bytes'] / 1e6:.1f} MB "
+              f"({f['failures']} failed), its reads {f['reads']} ({f['late_reads']} late)")
     for node, cm in status["fleet"]["cost_model"].items():
         links = ", ".join(f"from {k}: {v / 1e6:.0f} MB/s" for k, v in cm["link_bytes_per_s"].items()) or "-"
         print(f"  {node}: prefill {cm['prefill_tps']:.0f} tokens/s; links {links}")
     return row
+
+
+def _follower_pulls(fleet, model: str, expect: bool) -> list[dict]:
+    """Each follower's pulls and reads, from status (its leader reads them every few seconds)."""
+    deadline = time.monotonic() + 20
+    while True:
+        out = []
+        for r in fleet.status()["replicas"]:
+            if r["model"] != model or not r.get("shards"):
+                continue
+            for n in r["shards"]["nodes"][1:]:
+                cache = n.get("cache") or {}
+                pulled, restore = cache.get("migration") or {}, cache.get("shard_restore") or {}
+                out.append({"leader": r["node_id"], "rank": n["rank"], "node": n["node_id"],
+                            "blocks": pulled.get("blocks", 0), "bytes": pulled.get("bytes", 0),
+                            "failures": pulled.get("failures", 0), "reads": restore.get("reads", 0),
+                            "late_reads": restore.get("late_reads", 0)})
+        if not expect or any(f["blocks"] for f in out) or time.monotonic() > deadline:
+            return out
+        time.sleep(1)
 
 
 def main(argv: list[str]) -> int:
@@ -100,6 +131,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="prompt tokens")
     p.add_argument("--concurrency", type=int, default=4, help="requests sent at once")
     p.add_argument("--model", default="tiny-dense", help="the model the fleet serves")
+    p.add_argument("--shards", type=int, default=1, help="nodes per replica (2 replicas: 2 x this many nodes)")
     p.add_argument("--kv-codec", nargs="+", default=["native"],
                    help="the fleet's --kv-codec; several (native tq4) measure each on its own fleet in this run")
     a = p.parse_args(argv)
