@@ -1,6 +1,7 @@
 """The GPU run: every in-process suite and the cache and batching benchmarks on a real GPU, in one command.
 
-    python3 -m cluster.cli bench gpu [--out DIR] [--parts tests,ttft,batch,agreement] [--ttft-models ...]
+    python3 -m cluster.cli bench gpu [--out DIR] [--parts tests,ttft,batch,agreement] [--suites tests/engine,...]
+                                     [--ttft-models ...]
                                      [--tokens 2048 8192 32768] [--resume-at chunk block]
                                      [--batch-model bench-qwen3-8b] [--concurrency 1 4 8 16 32]
                                      [--agreement-model bench-qwen3-0.6b-bf16] [--agreement-prompts 200]
@@ -15,7 +16,9 @@ backend on Linux, Metal on a Mac). It needs no Ray, Redis or network:
 - batch: `bench batch --no-http` (ours against mlx-lm's BatchGenerator) on one;
 - agreement: `bench agreement` (batched greedy answers against the same requests alone).
 Logs and JSON go to --out (default $OUT, else ./gpu-run); summary.json says what
-passed. docs/gpu.md records each run. CI never runs this: it is not part of make test.
+passed. The tests log names each test as it ends (pytest -v), so a part cut by its
+timeout still says which failed; `--suites` runs some of the suites, so that a
+machine that limits each command (the lent one: 10 minutes) takes them in turns. docs/gpu.md records each run. CI never runs this: it is not part of make test.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def test_counts(log: Path) -> dict:
     text = log.read_text(errors="replace") if log.is_file() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", 
                                                  text.rsplit("\n=", 1)[-1])}
-    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)))
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M))
+                    | set(re.findall(r"^(\S+::\S+) (?:FAILED|ERROR)", text, re.M)))  # -v: as each ends
     return {**counts, "failed_tests": failed}
 
 
@@ -72,6 +76,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="bench batch levels")
     p.add_argument("--timeout", type=float, default=3600, help="seconds each part may take")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments for the tests part")
+    p.add_argument("--suites", default=",".join(SUITES), help="the tests part's folders, comma-separated")
     a = p.parse_args(argv)
     import mlx.core as mx
 
@@ -86,8 +91,8 @@ def main(argv: list[str]) -> int:
     bench = [py, "-m", "cluster.cli", "bench"]
     data = ["--data-dir", str(a.data_dir)]
     if "tests" in parts:
-        argv = [py, "-m", "pytest", *SUITES, *(f"--ignore={m}" for m in NEEDS_REDIS), "-q", "-p", "no:cacheprovider",
-                *a.pytest_args.split()]
+        argv = [py, "-m", "pytest", *a.suites.split(","), *(f"--ignore={m}" for m in NEEDS_REDIS), "-v",
+                "-p", "no:cacheprovider", *a.pytest_args.split()]
         summary["tests"] = run_part("tests", argv, a.out, a.timeout) | test_counts(a.out / "tests.log")
     if "ttft" in parts:
         argv = [*bench, "ttft", *data, "--models", a.ttft_models, "--tokens", *map(str, a.tokens),
