@@ -268,7 +268,7 @@ class RoutingConfig(_Config):
     default_link_bytes_per_s: float = Field(200e6, gt=0, description="Peer-to-peer block transfer bytes/s assumed until a replica has measured a link.")
     lookup_timeout_s: float = Field(1.0, gt=0, description="Deadline of one index lookup (normally well under a millisecond; this bounds a stalled Redis or a gateway swamped by a burst); past it the request is routed by power of two choices (reason=fallback).")
     fetch_timeout_s: float = Field(10.0, gt=0, description="Deadline for pulling blocks from a peer; past it the rest is recomputed.")
-    index_flush_s: float = Field(0.2, gt=0, description="How often a replica flushes its block events into the fleet index.")
+    index_flush_s: float = Field(0.2, gt=0, description="How often a replica renews its index lease and retries a failed write; block events are flushed as they come (at most every 20 ms).")
     index_gc_s: float = Field(10.0, gt=0, description="How often a replica removes dead nodes' entries from the index.")
 
 

@@ -30,13 +30,17 @@ class FetchPlan:
     peer: str  # the peer's node id (a sharded peer's leader's)
     start_block: int
     end_block: int
-    checkpoint: bool
+    checkpoint: bool  # the puller needs one (counted in nbytes); each pulling process asks for its own layers'
     tokens: int  # restorable tokens once they are here
     nbytes: int
     peer_ranks: tuple[str, ...] = ()  # a sharded peer's nodes, by rank
 
-    def for_rank(self, rank: int) -> "FetchPlan":
-        """The pull rank `rank` of a sharded replica makes: from its counterpart's node."""
+    def for_rank(self, rank: int, size: int = 1) -> Optional["FetchPlan"]:
+        """The pull that rank `rank` of a replica of `size` ranks makes: from its counterpart's node. None where
+        the peer is split otherwise (a plan the router made for another replica, which Serve's router moved
+        here): no counterpart holds this rank's heads."""
+        if len(self.peer_ranks) != (size if size > 1 else 0):
+            return None
         return replace(self, peer=self.peer_ranks[rank], peer_ranks=()) if self.peer_ranks else self
 
     def shared(self) -> dict:

@@ -255,10 +255,13 @@ class ModelReplica:
         so), before the model thread sees the request."""
         if self.admission is None:
             return ColdSession(self.model, self.new_caches, self.schedule)
+        rank, size = (self.shards.rank, self.spec.shards) if self.shards is not None else (0, 1)
+        if pull is not None and pull.for_rank(rank, size) is None:
+            pull = None  # a peer split otherwise: none of its blocks are this replica's
         if self.shard_restore is not None:  # each follower reads (and pulls) its own blocks of the prefix meanwhile
             self.scheduler.read_ahead(prompt, pull.shared() if pull is not None else None)
-            pull = pull.for_rank(self.shards.rank) if pull is not None else None
-            pull = pull if pull is not None and pull.peer != self.node.node_id else None  # its own node's: local
+        pull = pull.for_rank(rank, size) if pull is not None else None
+        pull = pull if pull is not None and pull.peer != self.node.node_id else None  # its own node's: local
         prefetch = await self.admission.fetch_async(prompt, pull)
         return BlockSession(self.cache.cache, prompt, prefetch, self.shard_restore)
 

@@ -141,7 +141,9 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
             start, end = local // node.block_tokens, -(-peer_tokens // node.block_tokens)
             nbytes = (end - start) * int(p.lease.get("block_bytes") or 0) + (
                 int(p.lease.get("state_bytes") or 0) if node.recurrent else 0)
-            link = (lease.get("link_bps") or {}).get(peer_id) or cfg.default_link_bytes_per_s
+            links = lease.get("link_bps") or {}  # a sharded replica's leader measured its own counterpart's link
+            link = links.get(peer_id) or next((links[n] for n in ranks[peer_id] if links.get(n)), None) \
+                or cfg.default_link_bytes_per_s
             ttft = wait + (prompt_len - peer_tokens) / tps * (1 + load) + nbytes / link
             if ttft < best.ttft_s:
                 best = Option(node, peer_tokens, ttft, load,

@@ -98,7 +98,12 @@ class ShardRank:
             return None
 
         def read(prompt: list[int], pull: Optional[dict]) -> None:
-            plan = FetchPlan.from_shared(pull).for_rank(self.rank) if pull else None
+            try:  # the model thread: a bad plan means no pull, never a lost rank
+                plan = FetchPlan.from_shared(pull).for_rank(self.rank, self.spec.shards) if pull else None
+            except Exception:
+                log.exception("rank %d of %s: the leader's pull plan is unreadable; reading without it", self.rank,
+                              self.spec.name)
+                plan = None
             read_ahead(prompt, plan if plan is not None and plan.peer != self.node.node_id else None)
         return read
 

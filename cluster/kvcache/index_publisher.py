@@ -141,6 +141,7 @@ class IndexPublisher:
                 self._dirty = True
                 self.counters["errors"] += 1
                 next_renew = 0.0
+                self._stop.wait(self.flush_s)  # retry at the tick, not at every event
 
     def _lease(self) -> dict:
         """The lease payload (its `renewed` time is added when written)."""

@@ -90,10 +90,17 @@ def test_a_sharded_replica_pulls_rank_to_rank_only_from_one_of_the_same_geometry
                                                {"n1": 5}, CFG)}
     f = opts["n0"].fetch
     assert (f.peer, f.peer_ranks, f.end_block, opts["n0"].tokens) == ("n1", ("n3", "n1"), 30, 1920)
-    assert [f.for_rank(r).peer for r in (0, 1)] == ["n3", "n1"] and f.for_rank(1).peer_ranks == ()
+    assert [f.for_rank(r, 2).peer for r in (0, 1)] == ["n3", "n1"] and f.for_rank(1, 2).peer_ranks == ()
+    # A plan Serve's router moved to a replica split otherwise pulls nothing there: no counterpart holds its heads
+    assert f.for_rank(0, 1) is None and f.for_rank(0, 4) is None
+    whole_plan = opts["n1"].holder.__class__("n9", 0, 30, False, 1920, 1)
+    assert whole_plan.for_rank(0, 1) == whole_plan and whole_plan.for_rank(1, 2) is None
     assert type(f).from_shared(msgpack.unpackb(msgpack.packb(f.shared()))) == f  # as a leader tells its followers
     assert opts["n4"].fetch is None and opts["n6"].fetch is None
     assert opts["n1"].holder.peer_ranks == ("n3", "n1")  # a replica the router moves it to pulls the same way
+    # A's leader measured the link its own rank pulls over (from B's rank-0 node, n3), not B's leader's
+    slow = {"n1": holding(1, hit=30, disk=30), "n0": holding(0, link_bps={"n3": 1e3})}
+    assert {o.node.node_id: o for o in options(2048, [a, b], slow, {"n1": 5}, CFG)}["n0"].fetch is None
 
 
 def test_nobody_holding_anything_is_a_miss_that_goes_to_the_least_loaded():

@@ -131,7 +131,7 @@ def main() -> int:
                 pc.tiers.ram.discard(key)
         if len(told) == 5:  # the peer's blocks are on its disk by the time a route plan names it
             assert peer_pc.tiers.disk.flush(30)
-        plan = FetchPlan.from_shared(pull).for_rank(rank) if pull else None  # as a ShardRank's reader does
+        plan = FetchPlan.from_shared(pull).for_rank(rank, 2) if pull else None  # as a ShardRank's reader does
         restores[id(order[len(told) - 1])].read_ahead(prompt, plan)
 
     def rebuild(prompt, params, step, cached):
@@ -162,7 +162,7 @@ def main() -> int:
             scheduler.read_ahead(CACHED_PROMPT, pull.shared() if pull else None)  # as a replica's admission does
             if c is fresh_pc:
                 assert peer_pc.tiers.disk.flush(30)
-            prefetch = restores[id(c)].admission.fetch(CACHED_PROMPT, pull.for_rank(rank) if pull else None)
+            prefetch = restores[id(c)].admission.fetch(CACHED_PROMPT, pull.for_rank(rank, 2) if pull else None)
             s = Sequence(CACHED_PROMPT, params, model, tok, BlockSession(c, CACHED_PROMPT, prefetch, restores[id(c)]),
                          64)
             [events] = scheduler.run_all([s], timeout_s=120)

@@ -121,7 +121,7 @@ def test_a_follower_pulls_its_own_blocks_from_its_counterpart_and_restores_exact
     pulled_on = []
     read_many = peer.store.read_many
     peer.store.read_many = lambda *a: (pulled_on.append(threading.current_thread().name), read_many(*a))[1]
-    restore.read_ahead(prompt, FetchPlan.from_shared(plan.shared()).for_rank(1))
+    restore.read_ahead(prompt, FetchPlan.from_shared(plan.shared()).for_rank(1, 2))
     prefetch = settle_on_a_model_thread(restore, prompt)
     assert (prefetch.n, prefetch.fetched, prefetch.fetched_from) == (h.hit_after(200, 200, 201, tail=False), 192, "peer-r1")
     assert pulled_on and "model" not in pulled_on
