@@ -212,7 +212,7 @@ class ModelReplica:
         prompt = list(request.prompt_tokens)
         pull = request.route.fetch if request.route is not None else None
         if request.use_cache:
-            session = await self._session(prompt, pull if pull is not None and pull.peer != self.node.node_id else None)
+            session = await self._session(prompt, pull)
         else:
             session = ColdSession(self.model, self.new_caches, self.schedule)
         seq = None
@@ -256,12 +256,10 @@ class ModelReplica:
         if self.admission is None:
             return ColdSession(self.model, self.new_caches, self.schedule)
         rank, size = (self.shards.rank, self.spec.shards) if self.shards is not None else (0, 1)
-        if pull is not None and pull.for_rank(rank, size) is None:
-            pull = None  # a peer split otherwise: none of its blocks are this replica's
+        mine = pull.for_rank(rank, size) if pull is not None else None  # None: a peer split otherwise
         if self.shard_restore is not None:  # each follower reads (and pulls) its own blocks of the prefix meanwhile
-            self.scheduler.read_ahead(prompt, pull.shared() if pull is not None else None)
-        pull = pull.for_rank(rank, size) if pull is not None else None
-        pull = pull if pull is not None and pull.peer != self.node.node_id else None  # its own node's: local
+            self.scheduler.read_ahead(prompt, pull.shared() if mine is not None else None)
+        pull = mine if mine is not None and mine.peer != self.node.node_id else None  # its own node's: local
         prefetch = await self.admission.fetch_async(prompt, pull)
         return BlockSession(self.cache.cache, prompt, prefetch, self.shard_restore)
 
@@ -315,7 +313,7 @@ class ModelReplica:
     def migration_stats(self) -> Optional[dict]:
         if self.peers is None:
             return None
-        return {**self.peers.counters, "link_bytes_per_s": {k: round(v) for k, v in self.peers.link_bps.items()}}
+        return self.peers.stats()
 
     def index_lease(self) -> dict:
         """What routing reads about this node in the fleet index (store/fleet_index.py)."""

@@ -120,8 +120,7 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
             cfg: RoutingConfig, queued: Optional[dict[str, int]] = None) -> list[Option]:
     """Every candidate node's best way to answer, with its predicted TTFT."""
     out = []
-    geometry = {n.node_id: n.geometry for n in nodes}
-    ranks = {n.node_id: n.ranks for n in nodes}
+    info = {n.node_id: n for n in nodes}
     speeds = prefill_speeds(nodes, held, cfg.default_prefill_tps)
     for node in nodes:
         h = held.get(node.node_id)
@@ -133,7 +132,8 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
         best = Option(node, local, wait + (prompt_len - local) / tps * (1 + load), load, None,
                       _holder(node, prompt_len, h))
         for peer_id, p in held.items():
-            if peer_id == node.node_id or geometry.get(peer_id) != node.geometry:
+            peer = info.get(peer_id)
+            if peer_id == node.node_id or peer is None or peer.geometry != node.geometry:
                 continue  # itself, or a node whose blocks are another fingerprint's (another GPU, another split)
             peer_tokens = restorable(node, prompt_len, p.disk, p.ck_disk)
             if peer_tokens <= local:
@@ -142,12 +142,12 @@ def options(prompt_len: int, nodes: list[ReplicaInfo], held: dict[str, Holding],
             nbytes = (end - start) * int(p.lease.get("block_bytes") or 0) + (
                 int(p.lease.get("state_bytes") or 0) if node.recurrent else 0)
             links = lease.get("link_bps") or {}  # a sharded replica's leader measured its own counterpart's link
-            link = links.get(peer_id) or next((links[n] for n in ranks[peer_id] if links.get(n)), None) \
+            link = links.get(peer_id) or next((links[n] for n in peer.ranks if links.get(n)), None) \
                 or cfg.default_link_bytes_per_s
             ttft = wait + (prompt_len - peer_tokens) / tps * (1 + load) + nbytes / link
             if ttft < best.ttft_s:
                 best = Option(node, peer_tokens, ttft, load,
-                              FetchPlan(peer_id, start, end, node.recurrent, peer_tokens, nbytes, ranks[peer_id]))
+                              FetchPlan(peer_id, start, end, node.recurrent, peer_tokens, nbytes, peer.ranks))
         out.append(best)
     return out
 

@@ -159,10 +159,9 @@ class Follower:
         pc = self.setup.cache
         if pc is None:
             return {"enabled": False, "reason": self.setup.disabled_reason}
-        peers = self.restore.admission.peers
         return {"enabled": True, "namespace": self.setup.fingerprint.short, "namespace_hex": pc.namespace.hex(),
                 "shard_restore": self.restore.stats(),
-                "migration": {**peers.counters, "link_bytes_per_s": {k: round(v) for k, v in peers.link_bps.items()}},
+                "migration": self.restore.admission.peers.stats(),
                 **pc.stats()}
 
 

@@ -55,6 +55,10 @@ class PeerClient:
             self.counters["failures"] += 1
             return out + [None] * (len(keys) - len(out))
 
+    def stats(self) -> dict:
+        """Its counters and each link's measured bytes/s (status: a replica's, and a follower's, `migration`)."""
+        return {**self.counters, "link_bytes_per_s": {k: round(v) for k, v in self.link_bps.items()}}
+
     def _reader(self, peer: str):
         """A function (keys, timeout) -> blocks, reading from the peer's node store."""
         if self.local_stores is not None:
