@@ -21,7 +21,8 @@ Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy), each figure 
             measured on those files (4 readers, page cache dropped), plus the prefill
             left after the restore at the cold run's speed (it ends with the forward
             of the last token). A prompt's tail is RAM only, so the disk hit restores
-            to the last cut.
+            to the last cut. `admission_s` lists each RAM and disk hit's admission stage (lookups,
+            the choice, reads), so a row shows where a hit's time went.
 The target is cached/cold <= 0.05 on a realistic-shape model from RAM, and disk <= its limit.
 With --vs-mlx-lm-server, mlx_lm.server's cold and cached TTFT on the same model and prompt
 length (bench/mlx_lm_server.py) join each row, and `ram_vs_server` compares the RAM hit with
@@ -93,8 +94,16 @@ def logit_diff(a, b) -> float:
 PREFILL_STEP = 512  # ModelSpec.prefill_step_tokens' default
 
 
-def warm(pc, prompt):
-    return lambda: BlockSession(pc, prompt, Admission(pc).fetch(prompt))
+def warm(pc, prompt, spent: Optional[list] = None):
+    """A callable making the request's session through the admission stage (lookups, the restore-or-recompute
+    choice, reads); its seconds are appended to `spent`, so a row can say where a hit's time went."""
+    def make():
+        t0 = time.perf_counter()
+        prefetch = Admission(pc).fetch(prompt)
+        if spent is not None:
+            spent.append(time.perf_counter() - t0)
+        return BlockSession(pc, prompt, prefetch)
+    return make
 
 
 def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=None, resume_at: str = "auto",
@@ -135,7 +144,9 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
             time.sleep(0.001)
         pc.tiers.disk.flush(600)
         spill = time.perf_counter() - t0
-        rams = [first_token(model, tok, prompt, warm(pc, prompt), logits if not i else None) for i in range(repeat)]
+        admitted: dict = {"ram": [], "disk": []}
+        rams = [first_token(model, tok, prompt, warm(pc, prompt, admitted["ram"]), logits if not i else None)
+                for i in range(repeat)]
         files = [store.path(k.ns, k.key) for k in store.index.entries.values()]
         read_bps = read_bandwidth(files)
         disks, cold_cache = [], False
@@ -145,7 +156,8 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
             fresh = replica(schedule=schedule)  # empty RAM
             fresh.costs = costs
             cold_cache = drop_cache(files)
-            disks.append(first_token(model, tok, prompt, warm(fresh, prompt), logits if not i else None))
+            disks.append(first_token(model, tok, prompt, warm(fresh, prompt, admitted["disk"]),
+                                     logits if not i else None))
         cold, capture, ram, disk = (statistics.median([r[0] for r in runs]) for runs in (colds, captures, rams, disks))
         n, n_disk = rams[0][1], statistics.median([r[1] for r in disks])
         same = (len({r[2] for r in colds + captures + rams + disks}) == 1
@@ -162,7 +174,7 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
                 "cold_s": cold, "capture_s": capture, "spill_s": spill, "ram_s": ram, "disk_s": disk,
                 "runs_s": {"cold": [r[0] for r in colds], "capture": [r[0] for r in captures],
                            "ram": [r[0] for r in rams], "disk": [r[0] for r in disks]},
-                "disk_cached_runs": [r[1] for r in disks],
+                "disk_cached_runs": [r[1] for r in disks], "admission_s": admitted,
                 "disk_read_gbps": read_bps / 1e9 if read_bps else None,
                 "disk_limit_s": (1.25 * store.index.bytes / read_bps + cold * (tokens - n_disk) / tokens
                                  if read_bps else None),
