@@ -24,7 +24,7 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def load_builtin(data_dir):
     """load_builtin(name) -> (model, tokenizer), loaded once per session."""
-    from mlx_lm import load
+    from cluster.models.loading import load_model
 
     from cluster.engine.model_thread import warm
     from cluster.models.resolve import resolve_model
@@ -33,7 +33,7 @@ def load_builtin(data_dir):
 
     def _load(name: str):
         if name not in loaded:
-            loaded[name] = load(str(resolve_model(name, data_dir)))
+            loaded[name] = load_model(resolve_model(name, data_dir))
             warm(loaded[name][0])  # tests hand models to Schedulers' threads
         return loaded[name]
 

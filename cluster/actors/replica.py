@@ -141,7 +141,7 @@ class ModelReplica:
 
     def _load(self, app: AppConfig, link):
         """Runs on the model thread: memory limits, weights (a built-in model is built with MLX), the cache probe."""
-        from mlx_lm import load
+        from cluster.models.loading import load_model
         from mlx_lm.models.cache import make_prompt_cache
 
         from cluster.engine.batch import batchable
@@ -157,7 +157,7 @@ class ModelReplica:
         if self.shards is not None:  # the followers load theirs, and probe their caches, in step with this
             model, tokenizer = self.shards.load(path, self.node.data_dir)
         else:
-            model, tokenizer = load(str(path))
+            model, tokenizer = load_model(path)
         cache = setup_cache(model, tokenizer, path, app.cache, self.node.data_dir, store_link=link,
                             prefill_step=self.spec.prefill_step_tokens,
                             shard=self.shards.geometry() if self.shards is not None else None)

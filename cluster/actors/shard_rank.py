@@ -175,7 +175,7 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
     idle: a follower waits inside the next turn's collective then, with no idle time of its own to spill in)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from mlx_lm import load
+    from cluster.models.loading import load_model
     from mlx_lm.models.cache import make_prompt_cache
 
     from cluster.engine.cold_session import ColdSession
@@ -192,7 +192,7 @@ def load_rank(spec: ModelSpec, app: AppConfig, node_dir: Path, rank: int, addres
 
     group = join_group(rank, addresses, Path(node_dir), devices)
     model_dir = resolve_model(spec.source, Path(app.data_dir).expanduser())
-    model, tokenizer = load(str(model_dir), lazy=True)
+    model, tokenizer = load_model(model_dir, lazy=True)
     shard(model, group, spec.shard_mode)
     setup = cache_on_every_rank(setup_cache(model, tokenizer, model_dir, app.cache, node_dir, store_link=link,
                                             prefill_step=spec.prefill_step_tokens,
@@ -282,12 +282,12 @@ class ShardGroup:
 
     def load(self, model_dir: Path, node_dir: Path):
         """The leader's model thread: join the group, load the model lazily and keep its own part."""
-        from mlx_lm import load
+        from cluster.models.loading import load_model
 
         from cluster.engine.sharding import join_group, shard
 
         self.group = join_group(self.rank, self.addresses, Path(node_dir), self.devices)
-        model, tokenizer = load(str(model_dir), lazy=True)
+        model, tokenizer = load_model(model_dir, lazy=True)
         shard(model, self.group, self.spec.shard_mode)
         return model, tokenizer
 

@@ -47,14 +47,14 @@ def environment() -> dict:
 
 
 def load(name: str, data_dir: Path):
-    from mlx_lm import load as mlx_load
+    from cluster.models.loading import load_model
 
     from cluster.models.resolve import resolve_model
 
     from cluster.engine.model_thread import warm
 
     path = resolve_model(name, data_dir)
-    model, tok = mlx_load(str(path))
+    model, tok = load_model(path)
     warm(model)  # benchmarks hand it to Schedulers' threads
     return model, tok, path
 

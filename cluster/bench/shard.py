@@ -115,7 +115,7 @@ def per_step(mode: str, layers: int, unit_s: float) -> float:
 
 def rank_main(a) -> int:
     """One rank of the sharded run (a child process of the driver)."""
-    from mlx_lm import load as mlx_load
+    from cluster.models.loading import load_model
 
     from cluster.engine.cold_session import ColdSession
     from cluster.engine.lockstep import Lockstep
@@ -130,7 +130,7 @@ def rank_main(a) -> int:
     def setup():
         group = init_group(a.rank, Path(a.hostfile))
         path = resolve_model(a.model, a.data_dir)
-        model, tok = mlx_load(str(path), lazy=True)
+        model, tok = load_model(path, lazy=True)
         shard(model, group, a.mode)
         hidden, layers = geometry_of(path)
         comm = collectives(group, hidden, model.model.embed_tokens.weight.dtype, sorted({1, *a.concurrency}), a.mode)

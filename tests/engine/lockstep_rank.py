@@ -47,7 +47,7 @@ def main() -> int:
     leads = rank == leader
     os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(rank), hostfile
     import mlx.core as mx
-    from mlx_lm import load
+    from cluster.models.loading import load_model
 
     from cluster.config import CacheConfig
     from cluster.engine.cold_session import ColdSession
@@ -74,7 +74,7 @@ def main() -> int:
 
     def setup():
         group = mx.distributed.init(backend="ring", strict=True)
-        model, tok = load(str(resolve_model(name, data_dir)))
+        model, tok = load_model(resolve_model(name, data_dir))
         return group, model, tok
 
     group, model, tok = scheduler.run(setup)

@@ -8,7 +8,7 @@ file proves the property on the CPU in CI and on the GPU in the GPU run (docs/gp
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm import load
+from cluster.models.loading import load_model
 
 from cluster.engine import invariant
 from cluster.engine.cold_session import ColdSession
@@ -45,7 +45,7 @@ def prepared(data_dir):
             schedulers.append(scheduler)
 
             def make():
-                model, tok = load(str(resolve_model(name, data_dir)))
+                model, tok = load_model(resolve_model(name, data_dir))
                 model.set_dtype(getattr(mx, dtype))
                 invariant.prepare(model)
                 return model, tok
@@ -110,7 +110,7 @@ def test_without_the_mode_a_windowed_row_parts_from_its_solo_run(data_dir):
     out, which is not the solo ring's order, on the CPU too (a GPU parts further: docs/gpu.md)."""
     scheduler = Scheduler(name="mlx-fleet-test", batching=True, decode_concurrency=ROWS, prefill_concurrency=2)
     try:
-        model, tok = scheduler.run(lambda: load(str(resolve_model("tiny-swa", data_dir))))
+        model, tok = scheduler.run(lambda: load_model(resolve_model("tiny-swa", data_dir)))
         alone = [seq(model, tok, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
         for s in alone:
             serve_all(scheduler, [s])
@@ -127,8 +127,8 @@ def test_outside_a_decode_step_a_prepared_model_computes_as_before(data_dir, pre
     scheduler = prepared("tiny-dense", "float32")[2]
     def run():
         path = str(resolve_model("tiny-dense", data_dir))
-        plain, _ = load(path)
-        model, _ = load(path)
+        plain, _ = load_model(path)
+        model, _ = load_model(path)
         invariant.prepare(model)
         invariant.prepare(model)  # idempotent
         assert type(model.model.layers[0].self_attn.q_proj).__name__ == "_RowsLinear"

@@ -7,7 +7,7 @@ tests pin the canonical one's rules, and on a GPU (docs/gpu.md) they are where i
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
+from cluster.models.loading import load_model
 
 from cluster.families.specs import FullAttention, SlidingWindow
 from cluster.models.resolve import resolve_model
@@ -26,7 +26,7 @@ def bf16_models(data_dir):
 
     def get(name):
         if name not in loaded:
-            model, tok = load(str(resolve_model(name, data_dir)))
+            model, tok = load_model(resolve_model(name, data_dir))
             model.set_dtype(mx.bfloat16)
             loaded[name] = model, tok
         return loaded[name]
