@@ -28,7 +28,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -42,9 +41,9 @@ from cluster.families.specs import FullAttention, Layout, QuantizedAttention, Re
 from cluster.kvcache import device_blocks
 from cluster.kvcache.costs import Costs
 from cluster.kvcache.device_blocks import DeviceBlock
-from cluster.kvcache.disk_client import BATCH_BYTES, Pending
 from cluster.kvcache.payload_codec import TurboQuantPayload
 from cluster.kvcache.plan import Planner
+from cluster.kvcache.spill import Spiller
 from cluster.kvcache.tails import Tail, capture_tail
 from cluster.kvcache.tiers import Tiers
 from cluster.store import block_format
@@ -54,7 +53,6 @@ from cluster.store.hashing import state_key, tail_key
 
 log = logging.getLogger(__name__)
 
-SPILL_DELAY_S = 2.0  # a captured block waits at most this long for the model thread to be idle
 
 
 @dataclass
@@ -139,17 +137,9 @@ class PrefixCache:
         # one copy of every byte. Both give the same arrays.
         self.few_launches = on_gpu()
         self._unsealed: list[tuple[bytes, DeviceBlock]] = []
-        # Spills of a device tier wait for the model thread to be idle (spill_idle), where a scheduler runs
-        # one: reading device blocks from the host costs a GPU that is working (CUDA migrates managed pages;
-        # the envelope's hashing competes for the interpreter). Captured blocks wait here, in RAM anyway.
-        self.spill_when_idle = False
-        self._backlog: "OrderedDict[bytes, tuple[DeviceBlock, float]]" = OrderedDict()
-        # On CUDA every array is managed memory: a host read moves its pages to the host, and the next
-        # restore pays to move them back (150 ms for an 8k prompt's 1.2 GB on the H200). So a spill reads a
-        # device copy made for it (7 ms for the same bytes), and the RAM tier's arrays stay on the GPU.
-        self._stage = _cuda()
+        self.spiller = Spiller(tiers, self.runs, len(layout.layers), self._envelope)  # spill.py
         if self.device:
-            tiers.spill = self._evicted
+            tiers.spill = self.spiller.evicted
         self.codec_quality: Optional[dict] = None
         # Packing costs CPU the model thread must not spend: KV blocks of a lossy codec are packed on a
         # thread of their own, and reach the tiers when packed (until then a lookup simply misses them).
@@ -363,76 +353,31 @@ class PrefixCache:
         self.tiers.ram.put(key, block)
 
     def seal(self) -> None:
-        """Evaluate the blocks captured since the last seal (one sync), and spill those the disk lacks (or
-        put them in the backlog, see spill_idle). The session calls it after each forward's captures
-        (model thread)."""
+        """Evaluate the blocks captured since the last seal (one sync), and spill those the disk lacks (or queue
+        them for idle: spill.py). The session calls it after each forward's captures (model thread)."""
         if self._unsealed:
             blocks, self._unsealed = self._unsealed, []
             device_blocks.seal([b for _, b in blocks])
             disk = self.tiers.disk
             if disk is not None:
-                self._spill([(k, b) for k, b in blocks if b.kind != "tail" and not disk.holds(k)])
-        if self._backlog:  # never idle for long (sustained load): what waited too long goes now
-            self._write_out(self._take(due=time.monotonic() - SPILL_DELAY_S))
+                self.spiller.spill([(k, b) for k, b in blocks if b.kind != "tail" and not disk.holds(k)])
+        self.spiller.overdue()
+
+    @property
+    def spill_when_idle(self) -> bool:
+        """Whether spills wait for the model thread to be idle (a replica's scheduler calls spill_idle then)."""
+        return self.spiller.when_idle
+
+    @spill_when_idle.setter
+    def spill_when_idle(self, value: bool) -> None:
+        self.spiller.when_idle = value
 
     def spill_idle(self) -> bool:
-        """Model thread, no sequence in flight: hand the disk the backlog's next batch once it has taken
-        the last one. Returns whether a backlog is left (the scheduler calls again, soon)."""
-        disk = self.tiers.disk
-        if disk is None or not self._backlog:
-            return False
-        if disk.backlog_bytes() < BATCH_BYTES:
-            self._write_out(self._take(limit=BATCH_BYTES))
-        return bool(self._backlog)
-
-    def _take(self, due: float = math.inf, limit: int = 1 << 62) -> list[tuple[bytes, DeviceBlock]]:
-        """The backlog's oldest blocks, up to the first that arrived after `due`, `limit` bytes in all, and
-        what the disk's queue has room for: past it the queue drops its oldest spill, and a dropped block
-        breaks its prompt's chain on the disk. What is not taken waits for the next call."""
-        disk, out = self.tiers.disk, []
-        queued = disk.backlog_bytes()
-        room = min(limit, disk.queue_bytes - queued)
-        while self._backlog:
-            block, since = next(iter(self._backlog.values()))
-            if since >= due or (block.nbytes > room and (out or queued)):  # one block always goes to an idle queue
-                break
-            key, _ = self._backlog.popitem(last=False)
-            out.append((key, block))
-            room -= block.nbytes
-        return out
-
-    def _spill(self, items: list[tuple[bytes, DeviceBlock]]) -> None:
-        if self.tiers.disk is None or not items:
-            return
-        if not self.spill_when_idle:
-            self._write_out(items)
-            return
-        now = time.monotonic()
-        for key, block in items:
-            self._backlog.setdefault(key, (block, now))  # kept in order of arrival: oldest first
-
-    def _evicted(self, key: bytes, block: DeviceBlock) -> None:
-        """The RAM tier let a block go that the disk lacks: it spills now (the backlog holds only blocks RAM
-        holds too, so it never keeps memory beyond the tier's budget)."""
-        self._backlog.pop(key, None)
-        self._write_out([(key, block)])
-
-    def _write_out(self, items: list[tuple[bytes, DeviceBlock]]) -> None:
-        """Queue device blocks for the disk: numpy views taken here (model thread, one evaluation; of a device
-        copy on CUDA), the envelope made on the disk client's thread."""
-        disk = self.tiers.disk
-        if disk is None or not items:
-            return
-        sources = [b for _, b in items]
-        if self._stage:
-            sources = [DeviceBlock(b.kind, b.id, b.parent, b.start, b.tokens, [mx.array(a) for a in b.runs])
-                       for b in sources]
-        hosts = device_blocks.to_host(sources, [self.runs[b.kind] for b in sources], len(self.layout.layers))
-        for (key, block), entries in zip(items, hosts):
-            disk.put(key, Pending(block.nbytes, lambda block=block, entries=entries: self._envelope(block, entries)))
+        """Model thread, no sequence in flight: the backlog's next batch to the disk; whether a backlog is left."""
+        return self.spiller.idle()
 
     def backlog(self) -> dict:
-        return {"blocks": len(self._backlog), "bytes": sum(b.nbytes for b, _ in self._backlog.values())}
+        return self.spiller.backlog()
 
     def _envelope(self, block: DeviceBlock, entries: list) -> memoryview:
         return block_format.encode(Block(kind=block.kind, namespace=self.namespace, id=block.id, parent=block.parent,
@@ -444,8 +389,7 @@ class PrefixCache:
         held = self.tiers.ram.get(key)
         if held is None or not isinstance(held, DeviceBlock):
             return held
-        entries = device_blocks.to_host([held], [self.runs[held.kind]], len(self.layout.layers))[0]
-        return self._envelope(held, entries)
+        return self._envelope(held, self.spiller.host_entries([held])[0])
 
     def snapshot_state(self, caches: list) -> list:
         return [capture_state(spec, cache) for spec, cache in zip(self.layout.layers, caches)]
@@ -539,9 +483,3 @@ def layout_byte_sizes(layout: Layout, caches: list) -> tuple[int, int]:
         arrays = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
         per_token += sum(a.nbytes // a.shape[2] for a in arrays)
     return state, per_token
-
-
-def _cuda() -> bool:
-    """MLX runs on its CUDA backend (managed memory), not Metal's unified memory or the CPU."""
-    cuda = getattr(mx, "cuda", None)
-    return on_gpu() and cuda is not None and cuda.is_available()

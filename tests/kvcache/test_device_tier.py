@@ -121,9 +121,9 @@ def test_spills_wait_for_the_model_thread_to_be_idle(disk_harness):
 
 
 def test_under_sustained_load_a_spill_waits_no_longer_than_its_delay(disk_harness, monkeypatch):
-    from cluster.kvcache import prefix_cache
+    from cluster.kvcache import spill
 
-    monkeypatch.setattr(prefix_cache, "SPILL_DELAY_S", -1.0)  # every block overdue at the next seal
+    monkeypatch.setattr(spill, "SPILL_DELAY_S", -1.0)  # every block overdue at the next seal
     h = disk_harness("tiny-dense")
     h.pc.spill_when_idle = True
     h.warm(prompt_of(300), max_tokens=2)
@@ -164,9 +164,9 @@ def test_a_restore_of_blocks_read_in_measures_their_move_to_the_device(disk_harn
 def test_overdue_spills_wait_for_room_in_the_disk_queue_rather_than_drop_blocks(disk_harness, monkeypatch):
     """Sustained load with a disk slower than capture (a 32k prompt on the H200 dropped 4 of 444): overdue
     blocks go only as far as the queue has room, so none is dropped; the rest wait in the backlog."""
-    from cluster.kvcache import prefix_cache
+    from cluster.kvcache import spill
 
-    monkeypatch.setattr(prefix_cache, "SPILL_DELAY_S", -1.0)
+    monkeypatch.setattr(spill, "SPILL_DELAY_S", -1.0)
     h = disk_harness("tiny-dense")
     h.pc.spill_when_idle = True
     disk = h.pc.tiers.disk
@@ -186,7 +186,7 @@ def test_the_backlog_holds_only_blocks_ram_holds(disk_harness):
     h.warm(prompt_of(300), max_tokens=2)
     disk, ram = h.pc.tiers.disk, h.pc.tiers.ram
     assert ram.evictions > 0 and disk.flush(30) and disk.counters["spilled"] == ram.evictions
-    assert set(h.pc._backlog) == set(ram_blocks(h))
+    assert set(h.pc.spiller.pending) == set(ram_blocks(h))
     spill_idle(h)
     assert len(h.store.index) == ram.evictions + len(ram_blocks(h))
 
@@ -194,7 +194,7 @@ def test_the_backlog_holds_only_blocks_ram_holds(disk_harness):
 def test_a_spill_from_a_device_copy_writes_the_same_envelopes(disk_harness):
     """CUDA's way (the host reads a copy, so the RAM tier's pages stay on the GPU), run here on the CPU."""
     h = disk_harness("tiny-hybrid")
-    h.pc._stage = True
+    h.pc.spiller.stage = True
     prompt = prompt_of(300)
     h.warm(prompt, max_tokens=2)
     assert h.pc.tiers.disk.flush(30) and len(h.store.index) > 0
