@@ -28,6 +28,7 @@ class Run:
     logits: mx.array  # [steps, vocab]
     cached: int
     finish: Finished
+    prompt: tuple = ()
 
 
 class Harness:
@@ -50,7 +51,7 @@ class Harness:
             events += seq.step()
         started = next(e for e in events if isinstance(e, Started))
         return Run([t for e in events if isinstance(e, Delta) for t in e.token_ids], mx.stack(seq.logits),
-                   started.cached_tokens, events[-1])
+                   started.cached_tokens, events[-1], tuple(prompt))
 
     def cold(self, prompt, max_tokens=12) -> Run:
         return self._run(prompt, max_tokens, ColdSession(self.model, self.pc.new_caches, self.schedule))
@@ -86,10 +87,23 @@ class Harness:
         return self._run(prompt, max_tokens, session)
 
     def assert_same(self, warm: Run, cold: Run) -> None:
-        """Bitwise: the same tokens, and every logit of every step the same bits."""
-        assert warm.tokens == cold.tokens
-        diff = mx.abs(warm.logits.astype(mx.float32) - cold.logits.astype(mx.float32)).max().item()
-        assert mx.array_equal(warm.logits, cold.logits).item(), f"logits differ by up to {diff}"
+        """Bitwise: the same tokens, and every logit of every step the same bits. A failure says whether the
+        backend repeats the cold run itself, bitwise (if not, the difference is not the restore's alone)."""
+        same = warm.tokens == cold.tokens and mx.array_equal(warm.logits, cold.logits).item()
+        assert same, self._diagnosis(warm, cold)
+
+    def _diagnosis(self, warm: Run, cold: Run) -> str:
+        n = min(warm.logits.shape[0], cold.logits.shape[0])
+        gaps = [mx.abs(warm.logits[i].astype(mx.float32) - cold.logits[i].astype(mx.float32)).max().item()
+                for i in range(n)]
+        first = next((i for i, g in enumerate(gaps) if g > 0), n)
+        text = (f"cached ({warm.cached} tokens restored) vs cold: tokens {warm.tokens} vs {cold.tokens}; "
+                f"first step whose logits differ {first} (by {gaps[first] if first < n else 0.0})")
+        if cold.prompt:
+            again = self.cold(cold.prompt, len(cold.tokens))
+            repeat = self.logit_gap(again, cold) if again.tokens == cold.tokens else "tokens differ"
+            text += f"; the cold run again: {'bitwise' if repeat == 0.0 else repeat}"
+        return text
 
     def logit_gap(self, a: Run, b: Run) -> float:
         n = min(a.logits.shape[0], b.logits.shape[0])
