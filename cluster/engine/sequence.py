@@ -136,7 +136,8 @@ class Sequence:
         # The device runs the chunk while the session builds its captures (lazy copies of the updated
         # caches, evaluated by its seal): a capture's Python work then hides behind the forward instead of
         # adding a sync and an idle device to every chunk. The list is let go before the next chunk, whose
-        # in-place cache update needs the buffers unshared.
+        # in-place cache update needs the buffers unshared. The sample below covers the captures too: a
+        # recompute captures as well, so it is what the restore-or-recompute choice should predict.
         mx.async_eval([c.state for c in self.cache])
         self.fed.extend(chunk)
         self.session.observe(self.cache, self.fed)

@@ -12,17 +12,28 @@ fallback at it on CUDA (every model module calls `gated_delta_update`, which loo
 at call time), and leaves the ops path to what the kernel does not cover: other backends, a key
 head dim that is not a multiple of 32, no state given.
 
+It covers every mlx-lm model that calls `gated_delta_update` (qwen3_5, qwen3_next, kimi_linear, kimi_k3,
+olmo_hybrid, bailing_moe_v3); the fallback stays for other backends, a key head dim that is not a multiple
+of 32 or above MAX_DK, value heads that are not a multiple of the key heads, arguments not shaped as the
+kernel reads them, and no state given. It has no gradient: a process that trains a hybrid on CUDA (mlx-lm
+passes `use_kernel=False` then, which this fallback cannot see) must not load its model through
+models/loading.py.
+
 Exactness: each (sequence, head, row) is computed alone, in token order, from the state handed in.
 So a prompt prefilled in chunks, or resumed from a checkpoint taken at a chunk's end, gives bitwise
 what one uninterrupted run of the same chunks gives, and a batched row what the row gives alone. Its
-sums are not the ops path's (a warp's tree against a row's reduction): a CUDA replica's blocks never
-restore on another backend anyway (the backend is in the fingerprint).
+sums are not the ops path's (a warp's tree against a row's reduction), so blocks made with it must never
+meet blocks made without it: `VERSION` is part of the fingerprint of every hybrid's blocks made on CUDA
+(kvcache/setup.py), and changes whenever the kernel's arithmetic does.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import mlx.core as mx
 
+VERSION = "gated-delta-cuda/1"  # in the fingerprint of a CUDA hybrid's blocks: bump when the arithmetic changes
 MAX_DK = 32 * 8  # registers per lane: Dk / 32 floats of state
 
 _SOURCE = r"""
@@ -94,6 +105,10 @@ _SOURCE = r"""
 """
 
 _kernels: dict[tuple[bool, bool], object] = {}
+# MLX caches a compiled custom kernel by its name and template arguments: the name carries the source's
+# digest (an edited kernel never meets a stale build), the template every input's dtype (the generated
+# signature takes them from the inputs: beta is float32 in one model and bfloat16 in another).
+_DIGEST = hashlib.blake2b(_SOURCE.encode(), digest_size=6).hexdigest()
 
 
 def _kernel(vector_g: bool, masked: bool):
@@ -101,28 +116,40 @@ def _kernel(vector_g: bool, masked: bool):
     if key not in _kernels:
         names = ["q", "k", "v", "g", "beta", "state_in"] + (["mask"] if masked else [])
         header = f"#define VECTOR_G {int(vector_g)}\n#define MASKED {int(masked)}\n"
-        _kernels[key] = mx.fast.cuda_kernel(f"mlx_fleet_gated_delta_{int(vector_g)}{int(masked)}", names,
+        _kernels[key] = mx.fast.cuda_kernel(f"mlx_fleet_gated_delta_{_DIGEST}_{int(vector_g)}{int(masked)}", names,
                                             ["y", "state_out"], _SOURCE, header=header)
     return _kernels[key]
 
 
-def supported(q: mx.array, v: mx.array, g: mx.array, state) -> bool:
-    """Whether the kernel covers this call: CUDA, a key head dim of 32k <= MAX_DK, a state handed in."""
-    Dk, Hk, Hv = q.shape[-1], q.shape[-2], v.shape[-2]
-    return (state is not None and mx.cuda.is_available() and mx.default_device() == mx.gpu
-            and Dk % 32 == 0 and Dk <= MAX_DK and Hv % Hk == 0 and g.ndim in (3, 4))
+def on_cuda() -> bool:
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def supported(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state, mask=None) -> bool:
+    """Whether the kernel covers this call: CUDA, a key head dim of 32k <= MAX_DK, value heads a multiple of the
+    key heads, a state handed in, and every argument shaped exactly as the kernel reads it (no broadcasting)."""
+    if state is None or not on_cuda() or q.ndim != 4 or v.ndim != 4:
+        return False
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    return (Dk % 32 == 0 and Dk <= MAX_DK and Hv % Hk == 0 and k.shape == q.shape and v.shape[:2] == (B, T)
+            and g.shape in ((B, T, Hv), (B, T, Hv, Dk)) and beta.shape == (B, T, Hv)
+            and state.shape == (B, Hv, Dv, Dk) and (mask is None or mask.shape == (B, T)))
 
 
 def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
                 mask=None) -> tuple[mx.array, mx.array]:
-    """(y [B, T, Hv, Dv], the state after the last token): `gated_delta_ops`' contract, in one kernel."""
+    """(y [B, T, Hv, Dv], the state after the last token), as `gated_delta_ops` computes them, except at a masked
+    (padding) step: y is 0 there, as mlx-lm's Metal kernel gives it (the ops path computes it and drops it)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     inputs = [q, k, v, g, beta, state] + ([mask] if mask is not None else [])
     rows = 4 if Dv % 4 == 0 else 1
     y, out = _kernel(g.ndim == 4, mask is not None)(
         inputs=inputs,
-        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+                  ("KT", k.dtype), ("VT", v.dtype), ("GT", g.dtype), ("BT", beta.dtype)]
+        + ([("MT", mask.dtype)] if mask is not None else []),
         grid=(32, Dv, B * Hv), threadgroup=(32, rows, 1),
         output_shapes=[(B, T, Hv, Dv), state.shape], output_dtypes=[q.dtype, state.dtype])
     return y, out
@@ -138,9 +165,16 @@ def install() -> None:
     original = module.gated_delta_ops
 
     def gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
-        if supported(q, v, g, state):
+        if supported(q, k, v, g, beta, state, mask):
             return gated_delta(q, k, v, g, beta, state, mask)
         return original(q, k, v, g, beta, state, mask)
 
     gated_delta_ops._mlx_fleet_original = original
     module.gated_delta_ops = gated_delta_ops
+
+
+def in_effect() -> bool:
+    """Whether this process computes hybrids' recurrence with the kernel (installed, on CUDA)."""
+    from mlx_lm.models import gated_delta as module
+
+    return on_cuda() and getattr(module.gated_delta_ops, "_mlx_fleet_original", None) is not None

@@ -89,6 +89,14 @@ def probe_block(model, layout: Layout, block_tokens: int) -> list:
     return host_entries([capture_block(spec, c, 0, block_tokens, block_tokens) for spec, c in zip(layout.layers, caches)])
 
 
+def kernels_in_effect(layout: Layout) -> list[str]:
+    """Our kernels that compute this model's cache in place of mlx-lm's (other sums, other bytes): they name
+    its blocks, so blocks made with them never meet blocks made without."""
+    from cluster.families import gated_delta_cuda
+
+    return [gated_delta_cuda.VERSION] if layout.has_recurrent and gated_delta_cuda.in_effect() else []
+
+
 def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path,
                 store_link: Optional[StoreLink] = None, listener=None,
                 schedule: Optional[Schedule] = None, prefill_step: int = 512,
@@ -110,7 +118,7 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
     codec = codec_descriptor(config.kv_codec, config.kv_group_size)
     fp = compute_fingerprint(model_dir, dtype=shapes.dtype, codec=codec, block_tokens=config.block_tokens,
                              chat_template=getattr(tokenizer, "chat_template", None), cache_dir=cache_dir,
-                             schedule=schedule.fingerprint(), shard=shard)
+                             schedule=schedule.fingerprint(), shard=shard, kernels=kernels_in_effect(layout))
     disk = None
     if store_link is not None:
         disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes, config.store_timeout_s,

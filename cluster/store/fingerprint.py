@@ -145,7 +145,7 @@ def _chip_name() -> str:
 
 def compute_fingerprint(model_dir: Path, *, dtype: str, codec: list, block_tokens: int, chat_template: str | None,
                         cache_dir: Path | None = None, schedule: list | None = None,
-                        shard: dict | None = None) -> Fingerprint:
+                        shard: dict | None = None, kernels: list | None = None) -> Fingerprint:
     config = json.loads((model_dir / "config.json").read_text())
     parts = {
         "config": blake3(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest(),
@@ -162,5 +162,7 @@ def compute_fingerprint(model_dir: Path, *, dtype: str, codec: list, block_token
     }
     if shard is not None:  # a rank of a sharded model holds its own heads only: {"mode", "size", "rank"}
         parts["shard"] = dict(shard)
+    if kernels:  # our kernels that replace mlx-lm's computation (their sums differ): e.g. gated-delta-cuda/1
+        parts["kernels"] = sorted(kernels)
     namespace = blake3(b"mlxf-namespace\x01" + msgpack.packb(parts, use_bin_type=True)).digest()
     return Fingerprint(namespace=namespace, parts=parts)

@@ -4,14 +4,17 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gated_delta as mlx_gd
 
+from cluster.families import gated_delta_cuda
 from cluster.families.gated_delta_cuda import gated_delta, install, supported
 
 ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel is CUDA's (elsewhere the ops path runs)")
 
 
-def inputs(B=2, T=48, Hk=2, Hv=4, Dk=64, Dv=32, dtype=mx.float32, vector_g=False, seed=0):
-    """Random inputs shaped as qwen3_5's GatedDeltaNet hands them over (q, k normalized as it does)."""
+def inputs(B=2, T=48, Hk=2, Hv=4, Dk=64, Dv=32, dtype=mx.float32, vector_g=False, seed=0, beta_dtype=None,
+           state_dtype=mx.float32):
+    """Random inputs shaped as qwen3_5's GatedDeltaNet hands them over (q, k normalized as it does); beta in
+    `beta_dtype` (bailing_moe_v3's is float32 whatever the model's), the state in `state_dtype`."""
     mx.random.seed(seed)
     q, k = (mx.random.normal((B, T, Hk, Dk)) for _ in range(2))
     q, k = mlx_gd.normalize_qk(q, k, inv_scale=Dk ** -0.5, eps=1e-6)
@@ -19,7 +22,7 @@ def inputs(B=2, T=48, Hk=2, Hv=4, Dk=64, Dv=32, dtype=mx.float32, vector_g=False
     g = mx.exp(-mx.random.uniform(0, 0.5, (B, T, Hv, Dk) if vector_g else (B, T, Hv)))
     beta = mx.sigmoid(mx.random.normal((B, T, Hv)))
     state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
-    return [a.astype(dtype) for a in (q, k, v)] + [g, beta.astype(dtype), state]
+    return [a.astype(dtype) for a in (q, k, v)] + [g, beta.astype(beta_dtype or dtype), state.astype(state_dtype)]
 
 
 def test_install_keeps_the_ops_path_where_the_kernel_does_not_apply():
@@ -30,18 +33,47 @@ def test_install_keeps_the_ops_path_where_the_kernel_does_not_apply():
     original = wrapper._mlx_fleet_original
     assert getattr(original, "_mlx_fleet_original", None) is None
     q, k, v, g, beta, state = inputs(Dk=48) if ON_CUDA else inputs()
-    assert not supported(q, v, g, state)
+    assert not supported(q, k, v, g, beta, state)
     for got, want in zip(wrapper(q, k, v, g, beta, state), original(q, k, v, g, beta, state)):
         assert mx.array_equal(got, want).item()
+
+
+def test_only_arguments_shaped_as_the_kernel_reads_them_reach_it(monkeypatch):
+    """A broadcast gate, a mask of another shape, a head dim the lanes cannot split: the ops path, never the kernel."""
+    monkeypatch.setattr(gated_delta_cuda, "on_cuda", lambda: True)
+    q, k, v, g, beta, state = inputs()
+    assert supported(q, k, v, g, beta, state) and supported(q, k, v, g, beta, state, mx.ones((2, 48), mx.bool_))
+    assert not supported(q, k, v, g[..., :1], beta, state)  # [B, T, 1]: broadcast over the heads
+    assert not supported(q, k, v, g, beta, state, mx.ones((2, 1), mx.bool_))
+    assert not supported(q, k, v, g, beta, None)
+    assert not supported(*inputs(Dk=48))
+    assert not supported(*inputs(Hk=3, Hv=4))
+    assert not supported(*inputs(Dk=512))
+
+
+def test_the_kernel_names_the_blocks_only_where_it_computes_them():
+    """Off CUDA no kernel of ours computes a cache, so no fingerprint carries one (kvcache/setup.py)."""
+    from cluster.families.specs import FullAttention, Layout, Recurrent
+    from cluster.kvcache.setup import kernels_in_effect
+
+    install()
+    assert gated_delta_cuda.in_effect() == ON_CUDA
+    hybrid, dense = Layout("qwen3_5", (Recurrent(2), FullAttention())), Layout("qwen3", (FullAttention(),))
+    assert kernels_in_effect(hybrid) == ([gated_delta_cuda.VERSION] if ON_CUDA else [])
+    assert kernels_in_effect(dense) == []
+
+
+SHAPES = [dict(), dict(Dk=128, Dv=128, Hk=2, Hv=4), dict(Hk=4, Hv=4), dict(Dv=6), dict(Dk=256, Dv=8, Hk=1, Hv=2)]
 
 
 @cuda_only
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("vector_g", [False, True])
-def test_kernel_computes_mlx_lms_recurrence(dtype, vector_g):
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_kernel_computes_mlx_lms_recurrence(dtype, vector_g, shape):
     """Against the ops path: the same sums in another order, so within float32 rounding of the state
     (the outputs of bfloat16 inputs within one bfloat16 ulp of their magnitude)."""
-    q, k, v, g, beta, state = inputs(dtype=dtype, vector_g=vector_g)
+    q, k, v, g, beta, state = inputs(dtype=dtype, vector_g=vector_g, **SHAPES[shape])
     y, s = gated_delta(q, k, v, g, beta, state)
     install()
     y_ref, s_ref = mlx_gd.gated_delta_ops._mlx_fleet_original(q, k, v, g, beta, state)
@@ -87,3 +119,33 @@ def test_mlx_lm_calls_reach_the_kernel():
     beta, g = mx.sigmoid(b), mlx_gd.compute_g(A_log, a, dt_bias)
     y_k, s_k = gated_delta(q, k, v, g, beta, state)
     assert mx.array_equal(y, y_k).item() and mx.array_equal(s, s_k).item()
+
+
+@cuda_only
+def test_other_input_dtypes_get_kernels_of_their_own():
+    """beta in float32 beside bfloat16 q (bailing_moe_v3), then in bfloat16, a bfloat16 state: each as the ops
+    path computes it (MLX caches a kernel by name and template: the dtypes are in the template)."""
+    install()
+    original = mlx_gd.gated_delta_ops._mlx_fleet_original
+    for kw in (dict(beta_dtype=mx.float32), dict(), dict(state_dtype=mx.bfloat16), dict(vector_g=True)):
+        q, k, v, g, beta, state = inputs(dtype=mx.bfloat16, **kw)
+        y, s = gated_delta(q, k, v, g, beta, state)
+        y_ref, s_ref = original(q, k, v, g, beta, state)
+        assert s.dtype == state.dtype
+        assert within_a_bf16_ulp(s, s_ref) and within_a_bf16_ulp(y, y_ref), kw
+
+
+def within_a_bf16_ulp(got: mx.array, want: mx.array) -> bool:
+    """At most one bfloat16 ulp (2^-7 relative) of the largest magnitude apart: both sides are float32 sums
+    rounded once to bfloat16 at the end, in other orders."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return mx.abs(got - want).max().item() <= 2 ** -7 * max(mx.abs(want).max().item(), 1.0)
+
+
+@cuda_only
+def test_masked_steps_with_a_vector_gate_keep_the_state():
+    q, k, v, g, beta, state = inputs(B=1, T=8, vector_g=True)
+    mask = mx.array([[False, True, True, True, True, True, True, True]])
+    y, s = gated_delta(q, k, v, g, beta, state, mask)
+    y_live, s_live = gated_delta(q[:, 1:], k[:, 1:], v[:, 1:], g[:, 1:], beta[:, 1:], state)
+    assert mx.array_equal(s, s_live).item() and mx.array_equal(y[:, 1:], y_live).item()

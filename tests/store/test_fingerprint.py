@@ -35,7 +35,7 @@ def test_stable_and_path_independent(model_dir, tmp_path):
 
 @pytest.mark.parametrize("over", [
     {"dtype": "bfloat16"}, {"codec": codec_descriptor("q8", 64)}, {"block_tokens": 32},
-    {"chat_template": "other"},
+    {"chat_template": "other"}, {"kernels": ["gated-delta-cuda/1"]},
 ])
 def test_every_setting_changes_the_namespace(model_dir, over):
     assert ns(model_dir, **over) != ns(model_dir)
@@ -103,3 +103,9 @@ def test_a_gpu_that_cannot_be_identified_never_shares_a_placeholder_namespace(mo
     assert name.startswith("gpu:") and name not in ("gpu:?", "gpu:", "gpu:None")
     monkeypatch.setattr(mx, "device_info", lambda: {"architecture": "applegpu_g15s"})
     assert fingerprint.backend() == "gpu:applegpu_g15s"
+
+
+def test_no_kernel_of_ours_leaves_the_namespace_as_it_was(model_dir):
+    """Only a model computed by a kernel of ours (a hybrid on CUDA) gets the part: every other keeps its blocks."""
+    assert ns(model_dir, kernels=[]) == ns(model_dir)
+    assert "kernels" not in compute_fingerprint(model_dir, **BASE).parts
