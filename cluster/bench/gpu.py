@@ -33,7 +33,7 @@ from pathlib import Path
 
 from cluster.bench.common import environment, parser
 
-SUITES = ["tests/engine", "tests/families", "tests/kvcache", "tests/store", "tests/models"]
+SUITES = ["tests/engine", "tests/families", "tests/kernels", "tests/kvcache", "tests/store", "tests/models"]
 # In those folders, the modules that need a Redis server (none on the GPU machine).
 NEEDS_REDIS = ["tests/store/test_fleet_index.py", "tests/kvcache/test_fleet_index_e2e.py", "tests/store/test_redis_client.py"]
 TTFT_MODELS = "bench-qwen3-8b,bench-qwen3-0.6b-bf16,bench-hybrid-8b,bench-gemma3-4b"

@@ -92,7 +92,7 @@ def probe_block(model, layout: Layout, block_tokens: int) -> list:
 def kernels_in_effect(layout: Layout) -> list[str]:
     """Our kernels that compute this model's cache in place of mlx-lm's (other sums, other bytes): they name
     its blocks, so blocks made with them never meet blocks made without."""
-    from cluster.families import gated_delta_cuda
+    from cluster.kernels import gated_delta_cuda
 
     return [gated_delta_cuda.VERSION] if layout.has_recurrent and gated_delta_cuda.in_effect() else []
 

@@ -11,7 +11,7 @@ def load_model(path, lazy: bool = False):
     """(model, tokenizer) from a resolved model directory."""
     from mlx_lm import load
 
-    from cluster.families.gated_delta_cuda import install
+    from cluster.kernels.gated_delta_cuda import install
 
     install()  # hybrids' recurrence in a kernel on CUDA (mlx-lm has one for Metal only)
     return load(str(path), lazy=lazy)

@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gated_delta as mlx_gd
 
-from cluster.families import gated_delta_cuda
-from cluster.families.gated_delta_cuda import gated_delta, install, supported
+from cluster.kernels import gated_delta_cuda
+from cluster.kernels.gated_delta_cuda import gated_delta, install, supported
 
 ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="the kernel is CUDA's (elsewhere the ops path runs)")
