@@ -116,12 +116,15 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
     own, fresh; each disk hit reads into a fresh replica with the page cache dropped."""
     model, tok, path = loaded or load(name, data_dir)
     work = Path(tempfile.mkdtemp(prefix="bench-ttft-", dir=data_dir))
-    store = DiskStore(work / "node", budget=1 << 40)
     config = CacheConfig(block_tokens=block_tokens, ram_bytes=16 << 30, resume_at=resume_at)
+    stores: list[DiskStore] = []
 
-    def replica(**kw):
-        pc = setup_cache(model, tok, path, config, work, store_link=LocalLink(store), prefill_step=PREFILL_STEP,
-                         **kw).cache
+    def replica(new_disk: bool = False, **kw):
+        """A replica with an empty RAM tier, over the last disk or (`new_disk`) an empty one of its own."""
+        if new_disk or not stores:
+            stores.append(DiskStore(work / f"node{len(stores)}", budget=1 << 40))
+        pc = setup_cache(model, tok, path, config, work, store_link=LocalLink(stores[-1]),
+                         prefill_step=PREFILL_STEP, **kw).cache
         pc.spill_when_idle = pc.device  # as in a replica: a device tier spills while the model thread is idle
         return pc
 
@@ -137,13 +140,18 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
                  for _ in range(repeat)]
         captures = []
         for i in range(repeat):  # the last replica stays: its RAM tier serves the RAM hits, its disk the disk hits
-            pc = replica(schedule=schedule) if i else pc
+            # An empty disk each: a slow prefill (the CPU's) spills blocks overdue while it runs, and the next
+            # capture would restore them instead of computing cold.
+            pc = replica(new_disk=True, schedule=schedule) if i else pc
             captures.append(first_token(model, tok, prompt, warm(pc, prompt)))
+            if captures[-1][1]:
+                raise RuntimeError(f"capture run {i} found {captures[-1][1]} tokens cached: it is not cold")
         t0 = time.perf_counter()
         while pc.spill_idle():
             time.sleep(0.001)
         pc.tiers.disk.flush(600)
         spill = time.perf_counter() - t0
+        store = stores[-1]
         admitted: dict = {"ram": [], "disk": []}
         rams = [first_token(model, tok, prompt, warm(pc, prompt, admitted["ram"]), logits if not i else None)
                 for i in range(repeat)]

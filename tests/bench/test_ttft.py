@@ -1,0 +1,17 @@
+"""bench ttft on a tiny model: each figure is of the run it names (every capture cold, every hit restored), and
+the hits' logits are the cold run's bitwise."""
+
+from cluster.bench import ttft
+from cluster.kvcache import spill
+
+
+def test_a_row_has_cold_captures_and_bitwise_hits(tmp_path, monkeypatch):
+    # Spills go at once, as on a slow CPU prefill where blocks are overdue before the prompt ends: the second
+    # capture must still start from an empty disk (measure raises if a capture finds anything cached)
+    monkeypatch.setattr(spill, "SPILL_DELAY_S", 0.0)
+    row = ttft.measure("tiny-dense", tmp_path, tokens=256, block_tokens=64, repeat=2)
+    assert (row["cached_tokens"], row["disk_cached_runs"]) == (255, [255, 255])
+    assert row["choices"] == {"restore": 4, "recompute": 0}
+    assert (row["spilled"], row["dropped_spills"]) == (4, 0)
+    assert row["same_first_token"] and row["ram_logit_diff"] == 0.0 and row["disk_logit_diff"] == 0.0
+    assert [len(row["runs_s"][k]) for k in ("cold", "capture", "ram", "disk")] == [2, 2, 2, 2]
