@@ -175,7 +175,7 @@ class ModelSpec(_Config):
         None, ge=1, le=1024, description="Sequences one replica decodes in one batch; more wait, holding only their fetched blocks. Default: max_ongoing_requests.",
     )
     shards: int = Field(
-        1, ge=1, le=64, description="Nodes one replica of this model spans (tensor or pipeline parallel over mx.distributed, one rank per node; engine/sharding.py), for a model bigger than one Mac. The replica takes that many fleet nodes at once (a Ray placement group, one bundle per node); replicas default to nodes // shards. 1: the whole model on every node.",
+        1, ge=1, le=64, description="Nodes one replica of this model spans (tensor or pipeline parallel over mx.distributed, one rank per node; engine/sharding.py), for a model bigger than one Mac. The replica takes that many fleet nodes at once (a Ray placement group, one bundle per node) and a node holds one rank at most; replicas default to nodes // shards, or, with several sharded models, nodes // their shards together. 1: the whole model on every node.",
     )
     shard_mode: Literal["auto", "tensor", "pipeline"] = Field(
         "auto", description="How a sharded replica splits the model (engine/sharding.py): tensor (every layer's heads and MLP columns over the ranks, two sums per layer: needs fast links and mlx-lm's shard() for the family), pipeline (each rank a run of whole layers, one hand-off per forward: slow links do, logits bitwise the whole model's; needs the family's pipeline() in mlx-lm), or auto: tensor where the family has it, else pipeline.",
@@ -311,6 +311,26 @@ class AppConfig(_Config):
 
 
 
+def sharded_replicas(models: list[ModelSpec], nodes: int) -> dict[str, int]:
+    """Replicas of each sharded model. A node holds one rank of a sharded replica at most (actors/app.py), so the
+    sharded models share the nodes: each defaults to nodes // (the shards of all of them together), at least one."""
+    width = sum(m.shards for m in models if m.shards > 1)
+    return {m.name: m.num_replicas if m.num_replicas is not None else max(nodes // width, 1)
+            for m in models if m.shards > 1}
+
+
+def ranks_overflow(models: list[ModelSpec], nodes: int) -> Optional[str]:
+    """Why the sharded replicas cannot all be placed on `nodes` nodes (one rank per node), or None. Ray would
+    otherwise wait for the missing nodes forever, and `up` or a deploy with it."""
+    replicas = sharded_replicas(models, nodes)
+    need = sum(replicas[m.name] * m.shards for m in models if m.name in replicas)
+    if need <= nodes:
+        return None
+    parts = ", ".join(f"{m.name} {replicas[m.name]} x {m.shards}" for m in models if m.name in replicas)
+    return (f"the sharded replicas need {need} nodes, one rank per node (replicas x shards: {parts}), and the "
+            f"fleet has {nodes}; start more nodes (--nodes {need}), lower num_replicas, or shard fewer models")
+
+
 class FleetConfig(_Config):
     """`mlx-fleet up`: a local fleet of N Ray nodes on this machine."""
 
@@ -329,4 +349,7 @@ class FleetConfig(_Config):
         if wide > self.nodes:
             raise ValueError(f"each replica spans {wide} nodes, and the fleet has {self.nodes}; start at least as "
                              f"many (--nodes {wide}), or shard less")
+        overflow = ranks_overflow(self.app.models, self.nodes)
+        if overflow:
+            raise ValueError(overflow)
         return self

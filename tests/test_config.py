@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import AppConfig, CacheConfig, FleetConfig, ModelSpec, first_error
+from cluster.config import AppConfig, CacheConfig, FleetConfig, ModelSpec, first_error, ranks_overflow, sharded_replicas
 
 
 def test_every_field_has_a_description():
@@ -79,3 +79,21 @@ def test_a_redis_url_must_be_one_and_is_not_echoed(cls):
     for url in ("redis://:pw@10.0.0.1:6380/0", "rediss://h:6380/0", "unix:///tmp/redis.sock", None):
         assert cls.model_validate({"redis_url": url}).redis_url == url
     assert cls.model_validate({"redis_url": " "}).redis_url is None  # empty: none (`--redis-url "$UNSET"`)
+
+
+def test_sharded_models_share_the_nodes_one_rank_per_node():
+    def spec(name, shards, replicas=None):
+        return ModelSpec(name=name, source="tiny-dense", shards=shards, num_replicas=replicas)
+
+    whole, a, b = spec("whole", 1), spec("a", 2), spec("b", 2)
+    assert sharded_replicas([whole, a], 4) == {"a": 2}  # unsharded replicas take slivers of every node
+    assert sharded_replicas([whole, a, b], 4) == {"a": 1, "b": 1}  # 2 + 2 ranks on 4 nodes
+    assert sharded_replicas([a, b], 9) == {"a": 2, "b": 2}
+    assert sharded_replicas([a, spec("c", 3)], 4) == {"a": 1, "c": 1}  # at least one each: too many, below
+    assert ranks_overflow([whole, a, b], 4) is None and ranks_overflow([spec("a", 2, 2), b], 6) is None
+    assert ranks_overflow([spec("a", 2, 2), b], 5) == (
+        "the sharded replicas need 6 nodes, one rank per node (replicas x shards: a 2 x 2, b 1 x 2), and the fleet "
+        "has 5; start more nodes (--nodes 6), lower num_replicas, or shard fewer models")
+    with pytest.raises(ValidationError) as e:
+        FleetConfig.model_validate({"nodes": 4, "app": {"models": [a.model_dump(), spec("c", 3).model_dump()]}})
+    assert first_error(e.value)[1].startswith("the sharded replicas need 5 nodes")

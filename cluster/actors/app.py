@@ -11,6 +11,8 @@ model's replica spans `shards` nodes (`placement`).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -18,7 +20,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.actors.gateway import Gateway
 from cluster.actors.replica import ModelReplica
 from cluster.actors.router import PlanRouter
-from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec
+from cluster.config import NODE_RESOURCE, AppConfig, ModelSpec, ranks_overflow, sharded_replicas
 
 REPLICA_RESOURCE_SHARE = 0.001
 SHARD_BUNDLE_SHARE = 0.6
@@ -33,14 +35,15 @@ def fleet_node_count() -> int:
     return sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE))
 
 
-def placement(spec: ModelSpec, nodes: int) -> dict:
+def placement(spec: ModelSpec, nodes: int, models: Optional[list[ModelSpec]] = None) -> dict:
     """How many replicas, and where: one per node, or, sharded, one per `shards` nodes, each in a placement group
     of one bundle per node (STRICT_SPREAD). A bundle takes over half a node's `mlx_fleet`, so a node holds one
-    rank of a sharded replica at most, beside the slivers unsharded replicas take."""
+    rank of a sharded replica at most, beside the slivers unsharded replicas take; the sharded models among
+    `models` (the app's, default this one) share the nodes (config.sharded_replicas)."""
     if spec.shards == 1:
         replicas = spec.num_replicas if spec.num_replicas is not None else max(nodes, 1)
         return {"num_replicas": replicas, "max_replicas_per_node": 1}
-    replicas = spec.num_replicas if spec.num_replicas is not None else max(nodes // spec.shards, 1)
+    replicas = sharded_replicas(models or [spec], nodes)[spec.name]
     return {"num_replicas": replicas, "placement_group_bundles": [{NODE_RESOURCE: SHARD_BUNDLE_SHARE}] * spec.shards,
             "placement_group_strategy": "STRICT_SPREAD"}
 
@@ -48,7 +51,7 @@ def placement(spec: ModelSpec, nodes: int) -> dict:
 def replica_deployment(spec: ModelSpec, config: AppConfig, nodes: int):
     return serve.deployment(ModelReplica).options(
         name=spec.deployment,
-        **placement(spec, nodes),
+        **placement(spec, nodes, config.models),
         max_ongoing_requests=spec.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, "resources": {NODE_RESOURCE: REPLICA_RESOURCE_SHARE}},
         # The gateway's route plan rides in the request; this router honours it (router.py).
@@ -63,6 +66,9 @@ def build_app(args: dict | AppConfig) -> Application:
     """Serve builder: `args` is an AppConfig or its dict form (from YAML)."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     nodes = fleet_node_count()
+    overflow = ranks_overflow(config.models, nodes) if nodes else None
+    if overflow:  # refused now, with the fix, rather than replicas that wait for nodes forever
+        raise ValueError(overflow)
     handles = {spec.name: replica_deployment(spec, config, nodes).bind(spec, config) for spec in config.models}
     gateway = serve.deployment(Gateway).options(
         name="Gateway", num_replicas=config.gateway.replicas, ray_actor_options={"num_cpus": 0},

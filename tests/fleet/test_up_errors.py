@@ -73,6 +73,9 @@ def test_unreachable_redis(tmp_path):
     (["--redis-url", "http://127.0.0.1:6379"], "mlx-fleet: --redis-url: a Redis URL starts with redis://"),
     (["--shards", "2"], "mlx-fleet: --shards: each replica spans 2 nodes, and the fleet has 1; start at least as many "
                         "(--nodes 2), or shard less"),
+    (["--nodes", "2", "--shards", "2", "--model", "tiny-dense", "--model", "b=tiny-dense"],
+     "mlx-fleet: --shards: the sharded replicas need 4 nodes, one rank per node (replicas x shards: tiny-dense 1 x 2, "
+     "b 1 x 2), and the fleet has 2; start more nodes (--nodes 4), lower num_replicas, or shard fewer models"),
 ])
 def test_config_errors_name_the_field(tmp_path, args, line):
     r = up(tmp_path, *args)
