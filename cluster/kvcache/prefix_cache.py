@@ -221,7 +221,7 @@ class PrefixCache:
                             n, type(e).__name__, e)
                 self.counters.refused(reason)
                 for key in [*prefetch.blocks, *([prefetch.tail.id] if prefetch.tail else [])]:
-                    self.spiller.pending.pop(key, None)
+                    self.spiller.drop(key)
                     self.tiers.discard(key, reason, f"restore failed: {type(e).__name__}: {e}")
         return self.new_caches(), 0, prefetch.ids
 

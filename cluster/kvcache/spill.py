@@ -80,6 +80,10 @@ class Spiller:
             self.write_out(self._take(limit=BATCH_BYTES))
         return bool(self.pending)
 
+    def drop(self, key: bytes) -> None:
+        """A block refused at restore (corrupt or failing): it must not reach the disk from the backlog."""
+        self.pending.pop(key, None)
+
     def evicted(self, key: bytes, block: DeviceBlock) -> None:
         """The RAM tier let a block go that the disk lacks: it spills now."""
         self.pending.pop(key, None)
