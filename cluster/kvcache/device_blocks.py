@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from cluster.store.arrays import host_views, to_mlx
+from cluster.kernels import cuda_upload
+from cluster.store.arrays import host_views
 from cluster.store.block_format import Block, Signature, Tagged
 
 
@@ -127,14 +128,14 @@ def to_host(blocks: list[DeviceBlock], runs: list[tuple[Run, ...]], n_entries: i
     return out
 
 
-def from_host(block: Block, runs: tuple[Run, ...]) -> DeviceBlock:
-    """A decoded (and so checked) block's numpy arrays, moved to the device: one copy per run."""
-    stacked = []
-    for run in runs:
-        arrays = [block.entries[e][k][1] for e, k in run.members]
-        stacked.append(to_mlx((run.tag, _stacked(arrays))))
-    return DeviceBlock(block.kind, block.id, block.parent, block.start, np.asarray(block.tokens, dtype="<u4"),
-                       stacked)
+def from_host(blocks: list[Block], runs: list[tuple[Run, ...]]) -> list[DeviceBlock]:
+    """Decoded (and so checked) blocks' numpy arrays, moved to the device together: one array per block and
+    run, in one upload (on CUDA by DMA, kernels/cuda_upload.py). `runs`: each block's runs (by its kind)."""
+    tagged = [(run.tag, _stacked([block.entries[e][k][1] for e, k in run.members]))
+              for block, block_runs in zip(blocks, runs) for run in block_runs]
+    arrays = iter(cuda_upload.upload(tagged))
+    return [DeviceBlock(block.kind, block.id, block.parent, block.start, np.asarray(block.tokens, dtype="<u4"),
+                        [next(arrays) for _ in block_runs]) for block, block_runs in zip(blocks, runs)]
 
 
 def _stacked(arrays: list[np.ndarray]) -> np.ndarray:

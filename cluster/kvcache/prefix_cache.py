@@ -231,11 +231,11 @@ class PrefixCache:
         upto = tail.start if tail is not None else n  # tokens from blocks; a tail holds the rest
         m = math.ceil(upto / self.B)
         resident = all(isinstance(prefetch.blocks[prefetch.ids[j]], DeviceBlock) for j in range(m))
-        blocks = [self._on_device(prefetch.ids[j], prefetch.blocks[prefetch.ids[j]], "kv") for j in range(m)]
-        state = None
+        wanted = [(prefetch.ids[j], "kv") for j in range(m)]
         if self.layout.has_recurrent and tail is None:
-            key = state_key(prefetch.ids[n // self.B - 1])
-            state = self._on_device(key, prefetch.blocks[key], "state")
+            wanted.append((state_key(prefetch.ids[n // self.B - 1]), "state"))
+        on_device = self._on_device([(key, prefetch.blocks[key], kind) for key, kind in wanted])
+        blocks, state = on_device[:m], (on_device[m] if len(on_device) > m else None)
         # One concatenation per mergeable run, over all m blocks: [members, 1, H, m * B, D].
         merged = [_merge_run(blocks, r) if ok and self.few_launches and m else None
                   for r, ok in enumerate(self._merge)]
@@ -265,15 +265,21 @@ class PrefixCache:
             self.costs.observe("ram", moved, time.perf_counter() - t0)
         return caches
 
-    def _on_device(self, key: bytes, block, kind: str) -> DeviceBlock:
-        """A fetched block as a device block. One read from the disk or pulled from a peer (checked by
-        decode) is moved to the device once, and into a device RAM tier: the next hit finds it there."""
-        if isinstance(block, DeviceBlock):
-            return block
-        out = device_blocks.from_host(block, self.runs[kind])
-        self._moved += out.nbytes
-        if self.device:
-            self.tiers.ram.put(key, out)
+    def _on_device(self, fetched: list[tuple[bytes, object, str]]) -> list[DeviceBlock]:
+        """Fetched blocks ((key, block, kind) each) as device blocks. Those read from the disk or pulled from a
+        peer (checked by decode) move to the device together, once, and into a device RAM tier: the next hit
+        finds them there."""
+        host = [(i, key, block, kind) for i, (key, block, kind) in enumerate(fetched)
+                if not isinstance(block, DeviceBlock)]
+        out = [block for _, block, _ in fetched]
+        if not host:
+            return out
+        moved = device_blocks.from_host([block for _, _, block, _ in host], [self.runs[kind] for *_, kind in host])
+        for (i, key, _, _), block in zip(host, moved):
+            out[i] = block
+            self._moved += block.nbytes
+            if self.device:
+                self.tiers.ram.put(key, block)
         return out
 
     # -- store (model thread) ---------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_the_host_round_trip_is_bitwise_and_views_the_envelope():
                                                codec=["native", 1, None, None], arrays=signature))
     stacked = device_blocks._stacked([a for _, a in decoded.entries[0] + decoded.entries[2]])
     assert np.shares_memory(stacked, np.frombuffer(data, np.uint8))  # back to back in the envelope: no copy
-    back = device_blocks.from_host(decoded, runs)
+    back, = device_blocks.from_host([decoded], [runs])
     assert device_blocks.same(back, blk)
 
 

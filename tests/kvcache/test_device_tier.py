@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from cluster.kernels import cuda_upload
 from cluster.kvcache import device_blocks
 from cluster.store.hashing import chain_ids
 from cluster.store import arrays, block_format
@@ -24,7 +25,7 @@ def test_a_ram_hit_makes_no_host_copy_and_no_check(disk_harness, monkeypatch, na
     h.warm(prompt)
     full = h.warm(prompt).cached  # a hit, checked nothing yet: what the next one restores
     assert h.pc.tiers.disk.flush(30)  # everything spilled: the next hit has nothing to write either
-    for module, fn in ((device_blocks, "host_views"), (device_blocks, "to_mlx"), (device_blocks, "from_host"),
+    for module, fn in ((device_blocks, "host_views"), (cuda_upload, "upload"), (device_blocks, "from_host"),
                        (arrays, "to_mlx"), (block_format, "decode"), (block_format, "encode")):
         monkeypatch.setattr(module, fn, refuse(f"{module.__name__}.{fn}"))
     monkeypatch.setattr(h.pc.tiers.disk, "get_many", refuse("the disk"))
@@ -42,7 +43,8 @@ def test_a_disk_hit_moves_each_block_to_the_device_once(disk_harness, monkeypatc
     forget_ram(h)
     moved = []
     real = device_blocks.from_host
-    monkeypatch.setattr(device_blocks, "from_host", lambda block, runs: moved.append(block.id) or real(block, runs))
+    monkeypatch.setattr(device_blocks, "from_host",
+                        lambda blocks, runs: moved.extend(b.id for b in blocks) or real(blocks, runs))
     first, second = h.warm(prompt), h.warm(prompt)
     # The first from the disk (to its last kept block), the second from RAM (on the canonical schedule the
     # first run kept the prompt's tail again, so the second restores all but the last token).
