@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -87,22 +88,36 @@ class Harness:
         return self._run(prompt, max_tokens, session)
 
     def assert_same(self, warm: Run, cold: Run) -> None:
-        """Bitwise: the same tokens, and every logit of every step the same bits. A failure says whether the
-        backend repeats the cold run itself, bitwise (if not, the difference is not the restore's alone)."""
-        same = warm.tokens == cold.tokens and mx.array_equal(warm.logits, cold.logits).item()
-        assert same, self._diagnosis(warm, cold)
+        """Bitwise: the same tokens, and every logit of every step the same bits.
 
-    def _diagnosis(self, warm: Run, cold: Run) -> str:
+        Where the backend does not repeat the cold run itself (MLX's CUDA backend now and then, in bf16 on
+        tiny-swa: docs/gpu.md), no cache can match one cold run, and the promise is what a cold run gives:
+        the cached run must then be bitwise the cold run made again. A failure says which it was."""
+        if self._same(warm, cold):
+            return
+        again = self.cold(cold.prompt, len(cold.tokens)) if cold.prompt else None
+        if again is not None and not self._same(again, cold) and self._same(warm, again):
+            warnings.warn(f"the backend did not repeat the cold run (logits {self.logit_gap(again, cold)} apart); "
+                          f"the cached run ({warm.cached} tokens restored) is bitwise its repeat")
+            return
+        raise AssertionError(self._diagnosis(warm, cold, again))
+
+    @staticmethod
+    def _same(a: Run, b: Run) -> bool:
+        return a.tokens == b.tokens and mx.array_equal(a.logits, b.logits).item()
+
+    def _diagnosis(self, warm: Run, cold: Run, again: Run | None) -> str:
         n = min(warm.logits.shape[0], cold.logits.shape[0])
         gaps = [mx.abs(warm.logits[i].astype(mx.float32) - cold.logits[i].astype(mx.float32)).max().item()
                 for i in range(n)]
         first = next((i for i, g in enumerate(gaps) if g > 0), n)
         text = (f"cached ({warm.cached} tokens restored) vs cold: tokens {warm.tokens} vs {cold.tokens}; "
                 f"first step whose logits differ {first} (by {gaps[first] if first < n else 0.0})")
-        if cold.prompt:
-            again = self.cold(cold.prompt, len(cold.tokens))
+        if again is not None:
             repeat = self.logit_gap(again, cold) if again.tokens == cold.tokens else "tokens differ"
             text += f"; the cold run again: {'bitwise' if repeat == 0.0 else repeat}"
+            if repeat != 0.0:
+                text += f", and the cached run against it: {self.logit_gap(warm, again)}"
         return text
 
     def logit_gap(self, a: Run, b: Run) -> float:
