@@ -17,7 +17,8 @@ Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy), each figure 
             replica's measured speeds carry over (its RAM let the blocks go; it did not
             restart), so where recomputing is predicted faster it recomputes (costs.py):
             the first run measures the disk, `choices` counts what was chosen.
-            `disk_limit_s` is 1.25 x the blocks' bytes / the disk's read bandwidth
+            `disk_s` is the median of the runs that restored, `disk_recompute_s` of those
+            that recomputed (never above cold, is the goal). `disk_limit_s` is 1.25 x the blocks' bytes / the disk's read bandwidth
             measured on those files (4 readers, page cache dropped), plus the prefill
             left after the restore at the cold run's speed (it ends with the forward
             of the last token). A prompt's tail is RAM only, so the disk hit restores
@@ -166,8 +167,13 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
             cold_cache = drop_cache(files)
             disks.append(first_token(model, tok, prompt, warm(fresh, prompt, admitted["disk"]),
                                      logits if not i else None))
-        cold, capture, ram, disk = (statistics.median([r[0] for r in runs]) for runs in (colds, captures, rams, disks))
-        n, n_disk = rams[0][1], statistics.median([r[1] for r in disks])
+        cold, capture, ram = (statistics.median([r[0] for r in runs]) for runs in (colds, captures, rams))
+        # A disk run restores, or recomputes where the cost model predicts that faster: the two are different
+        # figures (the hit's cost, and what the choice saves), each the median of its own runs.
+        restored, recomputed = [r for r in disks if r[1]], [r for r in disks if not r[1]]
+        disk = statistics.median([r[0] for r in restored]) if restored else None
+        recompute = statistics.median([r[0] for r in recomputed]) if recomputed else None
+        n, n_disk = rams[0][1], (statistics.median([r[1] for r in restored]) if restored else 0)
         same = (len({r[2] for r in colds + captures + rams + disks}) == 1
                 and {r[1] for r in rams} == {n})
         if not same:
@@ -180,14 +186,16 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
                 "ram_logit_diff": logit_diff(logits[repeat], logits[0]),
                 "disk_logit_diff": logit_diff(logits[repeat + 1], logits[0]),
                 "cold_s": cold, "capture_s": capture, "spill_s": spill, "ram_s": ram, "disk_s": disk,
+                "disk_recompute_s": recompute,
                 "runs_s": {"cold": [r[0] for r in colds], "capture": [r[0] for r in captures],
                            "ram": [r[0] for r in rams], "disk": [r[0] for r in disks]},
                 "disk_cached_runs": [r[1] for r in disks], "admission_s": admitted,
                 "disk_read_gbps": read_bps / 1e9 if read_bps else None,
                 "disk_limit_s": (1.25 * store.index.bytes / read_bps + cold * (tokens - n_disk) / tokens
-                                 if read_bps else None),
+                                 if read_bps and restored else None),
                 "spilled": pc.tiers.disk.counters["spilled"], "dropped_spills": pc.tiers.disk.counters["dropped_spills"],
-                "ram_vs_cold": ram / cold, "disk_vs_cold": disk / cold, "capture_overhead": capture / cold - 1,
+                "ram_vs_cold": ram / cold, "disk_vs_cold": disk / cold if restored else None,
+                "recompute_vs_cold": recompute / cold if recomputed else None, "capture_overhead": capture / cold - 1,
                 "page_cache": "dropped" if cold_cache else "warm", "cached_bytes": store.index.bytes}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -224,8 +232,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     rows = []
     print(f"{'model':<20}{'tokens':>7}{'sched':>6}{'cached':>8}{'disk':>6}{'cold s':>9}{'capture s':>11}{'ram s':>8}{'disk s':>8}"
-          f"{'ram/cold':>10}{'disk/cold':>11}{'disk/limit':>11}{'capture ovh':>13}{'spill s':>9}{'ram diff':>10}"
-          f"{'disk diff':>11}")
+          f"{'ram/cold':>10}{'disk/cold':>11}{'disk/limit':>11}{'recompute s':>13}{'capture ovh':>13}{'spill s':>9}"
+          f"{'ram diff':>10}{'disk diff':>11}")
     for name in a.models.split(","):
         loaded = load(name, a.data_dir)
         for tokens in a.tokens:
@@ -233,8 +241,9 @@ def main(argv: list[str]) -> int:
                 r = measure(name, a.data_dir, tokens, a.block_tokens, loaded, resume_at, a.repeat)
                 rows.append(r)
                 print(f"{r['model']:<20}{r['tokens']:>7}{r['resume_at']:>6}{r['cached_tokens']:>8}{r['disk_cached_tokens']:>6}{r['cold_s']:>9.3f}"
-                      f"{r['capture_s']:>11.3f}{r['ram_s']:>8.3f}{r['disk_s']:>8.3f}{r['ram_vs_cold']:>10.4f}"
-                      f"{r['disk_vs_cold']:>11.4f}{_ratio(r['disk_s'], r['disk_limit_s']):>11}"
+                      f"{r['capture_s']:>11.3f}{r['ram_s']:>8.3f}{_num(r['disk_s'], '.3f'):>8}{r['ram_vs_cold']:>10.4f}"
+                      f"{_num(r['disk_vs_cold'], '.4f'):>11}{_ratio(r['disk_s'], r['disk_limit_s']):>11}"
+                      f"{_num(r['disk_recompute_s'], '.3f'):>13}"
                       f"{r['capture_overhead']:>12.1%}{r['spill_s']:>9.3f}{r['ram_logit_diff']:>10.2g}"
                       f"{r['disk_logit_diff']:>11.2g}", flush=True)
         if a.vs_mlx_lm_server:
@@ -252,5 +261,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _ratio(value: float, limit: float | None) -> str:
-    return f"{value / limit:.2f}" if limit else "-"
+def _ratio(value: float | None, limit: float | None) -> str:
+    return f"{value / limit:.2f}" if value is not None and limit else "-"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"

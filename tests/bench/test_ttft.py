@@ -1,6 +1,8 @@
 """bench ttft on a tiny model: each figure is of the run it names (every capture cold, every hit restored), and
 the hits' logits are the cold run's bitwise."""
 
+import statistics
+
 from cluster.bench import ttft
 from cluster.kvcache import spill
 
@@ -15,3 +17,5 @@ def test_a_row_has_cold_captures_and_bitwise_hits(tmp_path, monkeypatch):
     assert (row["spilled"], row["dropped_spills"]) == (4, 0)
     assert row["same_first_token"] and row["ram_logit_diff"] == 0.0 and row["disk_logit_diff"] == 0.0
     assert [len(row["runs_s"][k]) for k in ("cold", "capture", "ram", "disk")] == [2, 2, 2, 2]
+    # both disk runs restored: the disk figure is theirs, and no recompute figure
+    assert row["disk_s"] == statistics.median(row["runs_s"]["disk"]) and row["disk_recompute_s"] is None
