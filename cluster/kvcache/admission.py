@@ -246,6 +246,7 @@ class Admission:
         in_ram = [k for k, d in zip(keys, datas) if d is not None]
         sources["ram"] += len(in_ram)
         missing = [i for i, d in enumerate(datas) if d is None]
+        read_in: set[bytes] = set()  # read from the disk now: payload checksums verified by the read
         if tiers.disk is not None:
             tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too (queued: no store call here)
             if missing and disk:
@@ -255,6 +256,7 @@ class Admission:
                 for i, data in zip(missing, read):
                     if data is not None:
                         datas[i] = data
+                        read_in.add(keys[i])
                         sources["disk"] += 1
                         if not tiers.device:  # promoted (a device tier's on restore): the next turn finds it in RAM
                             tiers.ram.put(keys[i], data)
@@ -267,7 +269,7 @@ class Admission:
                 blocks[key] = data
                 continue
             try:
-                blocks[key] = pc.decode(data, kind, j, ids)
+                blocks[key] = pc.decode(data, kind, j, ids, payload_verified=key in read_in)
             except Exception as e:  # any failure is a miss; a well-formed but wrong block is refused too
                 reason = e.reason if isinstance(e, BlockError) else "unexpected"
                 log.warning("cached block %d (%s) refused (%s): %s; treating it as a miss", j, kind, reason, e)

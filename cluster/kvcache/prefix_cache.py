@@ -165,11 +165,12 @@ class PrefixCache:
                       start=index * self.B, dtype=self.dtype, codec=self.codec,
                       arrays=self.kv_arrays if kind == "kv" else self.shapes.state)
 
-    def decode(self, data, kind: str, index: int, ids: list[bytes]) -> Block:
+    def decode(self, data, kind: str, index: int, ids: list[bytes], payload_verified: bool = False) -> Block:
         """Decode and check block `index` (or the checkpoint at its end) of the chain `ids`.
 
-        No MLX here (the arrays are numpy views), so it runs off the model thread."""
-        block = block_format.decode(data, self.expect(kind, index, ids))
+        No MLX here (the arrays are numpy views), so it runs off the model thread. `payload_verified`: a disk
+        read checked this buffer's payload checksum already (block_format.decode)."""
+        block = block_format.decode(data, self.expect(kind, index, ids), payload_verified)
         if kind == "kv" and self.payload is not None:
             block.entries = self.payload.decode(block.entries)
         return block

@@ -204,13 +204,17 @@ def encode(block: Block) -> memoryview:
     return view
 
 
-def decode(buf, expect: Expect) -> Block:
-    """Parse and verify `buf` (bytes or memoryview); arrays are numpy views into it."""
+def decode(buf, expect: Expect, payload_verified: bool = False) -> Block:
+    """Parse and verify `buf` (bytes or memoryview); arrays are numpy views into it.
+
+    `payload_verified`: `verify` already checked this very buffer's payload checksum (a disk read does, in
+    the thread that read it), so it is not hashed twice; the header's checksum and every check against
+    `expect` still run."""
     view = memoryview(buf)
     h, payload_at = _read_header(view, whole=True)
     block = _check_header(h, expect)
     payload = view[payload_at:]
-    if xxhash.xxh3_128_digest(payload) != h["sum"]:
+    if not payload_verified and xxhash.xxh3_128_digest(payload) != h["sum"]:
         raise CorruptPayload("payload checksum mismatch")
     block.entries = _arrays(h["arrays"], payload, len(block.layout))
     _check_arrays(block.entries, expect.arrays)

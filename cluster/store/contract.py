@@ -1,7 +1,9 @@
 """The one store contract every tier of blocks answers: the RAM tier and a node's disk (DiskClient).
 
     present(keys)   -> [bool]              is each key held? (a lookup, not a use)
-    get_many(keys)  -> [bytes | None]      the blocks, verified at the tier's level; a use
+    get_many(keys)  -> [bytes | None]      the blocks, verified at the tier's level (a disk's: framing,
+                                           payload checksum, namespace and key: a reader need not hash
+                                           the payload again); a use
     put(key, data)                         keep a block (may be asynchronous for remote tiers)
     discard(key, reason)                   a block was refused as bad: drop it, never serve it again
     stats()         -> dict                counters for status

@@ -54,6 +54,22 @@ def test_a_disk_hit_moves_each_block_to_the_device_once(disk_harness, monkeypatc
     h.assert_same(second, h.cold(prompt))
 
 
+def test_a_disk_hit_hashes_each_payload_once(disk_harness, monkeypatch):
+    """The disk read verifies each block's payload checksum (block_files.read_verified); decoding the same
+    buffer then checks the header and the layout, but does not hash the payload again."""
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    forget_ram(h)
+    verified, real = [], h.pc.decode
+    monkeypatch.setattr(h.pc, "decode", lambda *a, payload_verified=False: verified.append(payload_verified)
+                        or real(*a, payload_verified=payload_verified))
+    warm = h.warm(prompt)
+    monkeypatch.undo()
+    assert warm.cached > 0 and verified == [True] * h.pc.tiers.disk.counters["disk_hits"]
+    h.assert_same(warm, h.cold(prompt))
+
+
 def test_a_spill_never_blocks_the_model_thread(disk_harness, monkeypatch):
     h = disk_harness("tiny-hybrid")
     disk = h.pc.tiers.disk

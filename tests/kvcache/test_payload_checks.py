@@ -104,10 +104,10 @@ def test_an_unexpected_exception_while_decoding_is_a_miss(disk_harness, monkeypa
     forget_ram(h)  # read back from the disk, so decoded
     real = h.pc.decode
 
-    def broken(data, kind, index, ids):
+    def broken(data, kind, index, ids, **kw):
         if index == 2:
             raise KeyError("a decoder bug")
-        return real(data, kind, index, ids)
+        return real(data, kind, index, ids, **kw)
 
     monkeypatch.setattr(h.pc, "decode", broken)
     warm = h.warm(prompt)
