@@ -118,6 +118,10 @@ class CacheConfig(_Config):
         description="Byte budget of the replica's in-process RAM tier of encoded blocks (LRU).",
     )
     disk: bool = Field(True, description="Keep blocks on the node's disk tier too (write-through, survives restarts).")
+    pinned_read_bytes: int = Field(
+        4 << 30, ge=0,
+        description="MLX's CUDA backend only (ignored on Metal and the CPU): page-locked host memory the replica process may keep for reading block files bound for the GPU, so a disk hit's copy to the device runs at the bus's speed and its buffers are not faulted in anew each time (cluster/kernels/cuda_upload.py). Made as disk hits need it and kept for the process's life; past it reads use ordinary memory. 0 turns it off.",
+    )
     disk_bytes: Optional[int] = Field(
         None, ge=0,
         description="Byte budget of each node's disk tier. Default: half of the free space where it lives, at most 100 GiB.",

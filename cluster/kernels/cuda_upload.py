@@ -18,14 +18,23 @@ Elsewhere (Metal, the CPU) `upload` is `mx.array`, as before. The driver is reac
 (`libcuda.so.1`, present wherever MLX's CUDA backend runs). If it cannot be loaded, or a call fails,
 `upload` falls back to `mx.array` for the rest of the process with one warning: slower, never wrong.
 
-Model thread only, like all of a replica's MLX work.
+Reads bound for the device can land in page-locked host memory (`PinnedBuffers`): the driver's DMA from it
+runs at the bus's speed rather than through a staging copy, and buffers reused by size are not faulted in
+anew on every disk hit. A buffer goes back to its pool only when the last numpy view of it is gone, so a
+block's bytes are never overwritten while anything still reads them.
+
+`upload` runs on the model thread only, like all of a replica's MLX work; `PinnedBuffers.take` on the
+threads that read block files (driver calls only, no MLX).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Optional
+import threading
+import weakref
+from collections import defaultdict
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -52,10 +61,19 @@ class _Driver:
         self.current = lib.cuCtxGetCurrent
         self.retain = lib.cuDevicePrimaryCtxRetain
         self.make_current = lib.cuCtxSetCurrent
+        self.host_alloc = lib.cuMemHostAlloc
+        self.host_alloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
 
     def call(self, name: str, rc: int) -> None:
         if rc != 0:
             raise DriverError(f"{name} returned CUDA error {rc}")
+
+    def pinned(self, nbytes: int) -> int:
+        """The address of `nbytes` of fresh page-locked host memory (kept for the life of the process)."""
+        self.bind()
+        ptr = ctypes.c_void_p()
+        self.call("cuMemHostAlloc", self.host_alloc(ctypes.byref(ptr), nbytes, 0))
+        return ptr.value
 
     def bind(self) -> None:
         """MLX's context current on this thread (the runtime binds its primary context lazily per thread)."""
@@ -121,3 +139,71 @@ def _dma(tagged: list[Tagged]) -> list[mx.array]:
 def _address(a: mx.array) -> int:
     """The device address of an evaluated array's buffer (managed memory: the host sees the same address)."""
     return np.frombuffer(memoryview(a), np.uint8).ctypes.data
+
+
+class PinnedBuffers:
+    """Page-locked host buffers for block files read for a device restore, reused by size.
+
+    A process-wide pool (`pinned_buffers`): its budget is the page-locked memory it may hold, and past it a
+    read gets ordinary memory. Buffers are kept for the life of the process once made, each size on a free
+    list of its own (a model's blocks come in one or two sizes). `take` returns a numpy array over a buffer;
+    the buffer returns to its list when the last array viewing it is collected, never before."""
+
+    def __init__(self, budget: int, alloc: Optional[Callable[[int], int]] = None):
+        """`alloc(nbytes)`: a new buffer's address (the driver's page-locked memory by default)."""
+        self.budget = budget
+        self.alloc = alloc or (lambda n: _driver.pinned(n))
+        self.held = 0  # bytes of page-locked memory made
+        self.free: dict[int, list[int]] = defaultdict(list)
+        self.counters = {"pinned": 0, "reused": 0, "pageable": 0}
+        self.failed = False
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 array of `nbytes` (page-locked within the budget)."""
+        with self._lock:
+            free = self.free.get(nbytes)
+            if free:
+                address = free.pop()
+                self.counters["reused"] += 1
+            elif nbytes and not self.failed and self.held + nbytes <= self.budget:
+                address, self.held = None, self.held + nbytes
+            else:
+                self.counters["pageable"] += 1
+                return np.empty(nbytes, np.uint8)
+        if address is None:
+            try:
+                address = self.alloc(nbytes)
+            except Exception as e:  # no page-locked memory to be had: ordinary memory, and no more tries
+                log.warning("page-locked memory for disk reads failed (%s): reads use ordinary memory", e)
+                with self._lock:
+                    self.held -= nbytes
+                    self.failed = True
+                    self.counters["pageable"] += 1
+                return np.empty(nbytes, np.uint8)
+            with self._lock:
+                self.counters["pinned"] += 1
+        owner = (ctypes.c_uint8 * nbytes).from_address(address)  # every view's base: when it goes, the buffer is free
+        weakref.finalize(owner, self._give_back, nbytes, address)
+        return np.frombuffer(owner, np.uint8)
+
+    def _give_back(self, nbytes: int, address: int) -> None:
+        with self._lock:
+            self.free[nbytes].append(address)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"budget_bytes": self.budget, "pinned_bytes": self.held, "failed": self.failed, **self.counters}
+
+
+_pools: dict[str, PinnedBuffers] = {}
+
+
+def pinned_buffers(budget: int) -> Optional[PinnedBuffers]:
+    """The process's pool of page-locked read buffers, its budget raised to at least `budget`; None where
+    uploads do not use the driver (Metal, the CPU) or the budget is 0."""
+    if budget <= 0 or not applies():
+        return None
+    pool = _pools.setdefault("pool", PinnedBuffers(budget))
+    pool.budget = max(pool.budget, budget)
+    return pool

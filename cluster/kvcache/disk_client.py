@@ -70,6 +70,9 @@ class DiskClient:
         self.lookup_timeout_s = lookup_timeout_s
         self.read_timeout_s = read_timeout_s
         self.breaker = breaker or Breaker()
+        # Where a read's bytes land (read_file): a device replica on CUDA reads into page-locked buffers
+        # (kernels/cuda_upload.PinnedBuffers: take(n), stats(); set by setup_cache); else fresh ordinary memory.
+        self.buffers = None
         self.on_disk: set[bytes] = set()
         # Each block's size as the store's events and resyncs report it. A map, not a running sum: a
         # resync's key list already holds the events read with it, and applying them again is a no-op.
@@ -116,7 +119,9 @@ class DiskClient:
             return [None] * len(keys)
         lease, located = opened
         out, good, failed = [], [], []
-        reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys, timeout=self.read_timeout_s)
+        alloc = self.buffers.take if self.buffers is not None else None
+        reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys, [alloc] * len(keys),
+                               timeout=self.read_timeout_s)
         try:
             for key, (data, failure) in zip(keys, reads):
                 if failure is not None:
@@ -176,7 +181,8 @@ class DiskClient:
     def stats(self) -> dict:
         with self._cond:
             return {**self.counters, "queued": len(self._queue), "queued_bytes": self._pending_bytes,
-                    "known_on_disk": len(self.on_disk), "breaker": self.breaker.state}
+                    "known_on_disk": len(self.on_disk), "breaker": self.breaker.state,
+                    **({"read_buffers": self.buffers.stats()} if self.buffers is not None else {})}
 
     # -- uses, and background work ------------------------------------------------------------
     def touch(self, keys: list[bytes]) -> None:

@@ -18,6 +18,7 @@ from cluster.engine.schedule import Schedule
 from cluster.families.codecs import AFFINE, capture_block, codec_descriptor, new_cache, payload_signature
 from cluster.families.registry import UnsupportedModel, layout_for
 from cluster.families.specs import Layout, Recurrent
+from cluster.kernels import cuda_upload
 from cluster.kvcache.breaker import Breaker
 from cluster.kvcache.disk_client import DiskClient
 from cluster.kvcache.payload_codec import payload_codec
@@ -124,6 +125,8 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
         disk = DiskClient(store_link, fp.namespace, config.spill_queue_bytes, config.store_timeout_s,
                           config.read_timeout_s, Breaker(config.breaker_failures, config.breaker_cooldown_s))
     payload = payload_codec(config.kv_codec, layout, shapes.kv, fp.namespace)
+    if disk is not None and payload is None:  # a device tier: what the disk gives goes to the device, then is let go
+        disk.buffers = cuda_upload.pinned_buffers(config.pinned_read_bytes)
     tiers = Tiers(config.ram_bytes, fp.namespace, disk, listener, device=payload is None)
     cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec, payload, schedule)
     if payload is not None:

@@ -18,7 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -51,20 +51,23 @@ class ReadFailure:
         return self.reason == "ENOENT"
 
 
-def read_file(path: Path | str, size: Optional[int] = None) -> tuple[np.ndarray, tuple[int, int]]:
-    """A whole file in a fresh uint8 array (one copy from the page cache), and the file's identity (device,
-    inode): which file was read, should its bytes be refused."""
+def read_file(path: Path | str, size: Optional[int] = None,
+              alloc: Optional[Callable[[int], np.ndarray]] = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """A whole file in a fresh uint8 array (one copy from the page cache; `alloc(n)` makes it, np.empty by
+    default), and the file's identity (device, inode): which file was read, should its bytes be refused."""
     with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         n = size if size is not None else st.st_size
-        buf = np.empty(n, dtype=np.uint8)
+        buf = alloc(n) if alloc is not None else np.empty(n, dtype=np.uint8)
         got = f.readinto(memoryview(buf))
         return (buf[:got] if got != n else buf), (st.st_dev, st.st_ino)
 
 
-def read_verified(loc: Optional[tuple[str, int]], ns: bytes, key: bytes
+def read_verified(loc: Optional[tuple[str, int]], ns: bytes, key: bytes,
+                  alloc: Optional[Callable[[int], np.ndarray]] = None
                   ) -> tuple[Optional[np.ndarray], Optional[ReadFailure]]:
-    """Read a located block file and verify its framing, checksums and identity.
+    """Read a located block file (into `alloc`'s memory, see read_file) and verify its framing, checksums
+    and identity.
 
     Returns (data, None); (None, failure) for a bad or unreadable block; or
     (None, None) for a miss (`loc` is None)."""
@@ -72,7 +75,7 @@ def read_verified(loc: Optional[tuple[str, int]], ns: bytes, key: bytes
         return None, None
     file_id = None
     try:
-        data, file_id = read_file(loc[0], loc[1])
+        data, file_id = read_file(loc[0], loc[1], alloc)
         block_format.verify(data, ns, key, key_of)
         return data, None
     except BlockError as e:

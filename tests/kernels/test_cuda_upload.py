@@ -67,3 +67,51 @@ def test_a_failing_driver_call_falls_back_to_managed_pages_for_good(monkeypatch,
     assert "cuMemcpyHtoD returned CUDA error 700" in caplog.text
     assert not cuda_upload.applies()
     assert all(same(o, to_mlx((t, np.ascontiguousarray(d)))) for (t, d), o in zip(tagged, got))
+
+
+class Memory:
+    """Stands in for the driver's page-locked allocations (the pool's logic is the same on any memory)."""
+
+    def __init__(self, fail: bool = False):
+        self.made: list[np.ndarray] = []
+        self.fail = fail
+
+    def __call__(self, nbytes: int) -> int:
+        if self.fail:
+            raise cuda_upload.DriverError("cuMemHostAlloc returned CUDA error 2")
+        self.made.append(np.zeros(nbytes, np.uint8))
+        return self.made[-1].ctypes.data
+
+
+def test_a_read_buffer_is_reused_only_once_its_last_view_is_gone():
+    memory = Memory()
+    pool = cuda_upload.PinnedBuffers(1 << 20, memory)
+    buf = pool.take(4096)
+    assert buf.flags.writeable and buf.nbytes == 4096 and buf.ctypes.data == memory.made[0].ctypes.data
+    view = buf[100:200]  # as a decoded block's arrays view its bytes
+    del buf
+    other = pool.take(4096)  # the first is still viewed: a second buffer
+    assert other.ctypes.data == memory.made[1].ctypes.data
+    del view
+    again = pool.take(4096)
+    assert again.ctypes.data == memory.made[0].ctypes.data
+    assert pool.stats() == {"budget_bytes": 1 << 20, "pinned_bytes": 8192, "failed": False,
+                            "pinned": 2, "reused": 1, "pageable": 0}
+
+
+def test_past_its_budget_or_after_a_failure_a_read_gets_ordinary_memory(caplog):
+    memory = Memory()
+    pool = cuda_upload.PinnedBuffers(6000, memory)
+    kept = [pool.take(4096), pool.take(4096)]  # the second would pass the budget
+    assert len(memory.made) == 1 and kept[1].ctypes.data != memory.made[0].ctypes.data
+    failing = cuda_upload.PinnedBuffers(1 << 20, Memory(fail=True))
+    with caplog.at_level(logging.WARNING, logger=cuda_upload.__name__):
+        got = [failing.take(100), failing.take(100)]
+    assert [g.nbytes for g in got] == [100, 100] and caplog.text.count("page-locked memory") == 1
+    assert failing.stats()["failed"] and failing.stats()["pinned_bytes"] == 0
+    assert (pool.counters["pageable"], failing.counters["pageable"]) == (1, 2)
+
+
+def test_elsewhere_there_is_no_pool():
+    assert (cuda_upload.pinned_buffers(1 << 30) is None) == (not ON_CUDA)
+    assert cuda_upload.pinned_buffers(0) is None

@@ -70,6 +70,26 @@ def test_a_disk_hit_hashes_each_payload_once(disk_harness, monkeypatch):
     h.assert_same(warm, h.cold(prompt))
 
 
+def test_a_disk_hit_reads_into_the_pools_buffers_and_lets_them_all_go(disk_harness):
+    """On CUDA reads land in page-locked buffers (kernels/cuda_upload.py); once the restore has moved them to
+    the device none is held, so the next disk hit reuses every one. Any memory shows the pool's logic."""
+    from tests.kernels.test_cuda_upload import Memory
+
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    pool = h.pc.tiers.disk.buffers = cuda_upload.PinnedBuffers(1 << 30, Memory())
+    forget_ram(h)
+    first = h.warm(prompt)
+    read = h.pc.tiers.disk.counters["disk_hits"]
+    assert first.cached > 0 and pool.counters == {"pinned": read, "reused": 0, "pageable": 0}
+    assert sum(len(free) for free in pool.free.values()) == read  # all back: nothing holds a read buffer
+    forget_ram(h)
+    again = h.warm(prompt)
+    assert again.cached == first.cached and pool.counters["reused"] == read
+    h.assert_same(again, h.cold(prompt))
+
+
 def test_a_spill_never_blocks_the_model_thread(disk_harness, monkeypatch):
     h = disk_harness("tiny-hybrid")
     disk = h.pc.tiers.disk

@@ -141,7 +141,7 @@ def test_a_transient_read_error_leaves_the_block_known_on_disk(tmp_path, monkeyp
     client = client_for(store)
     client.sync_events()
 
-    def too_many_files(path, size):
+    def too_many_files(path, size, alloc=None):
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr("cluster.store.block_files.read_file", too_many_files)
