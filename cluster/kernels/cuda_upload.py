@@ -44,7 +44,8 @@ from cluster.store.block_format import Tagged
 
 log = logging.getLogger(__name__)
 
-_BITS = {"bfloat16": mx.uint16}  # numpy has no bfloat16: its bytes travel as uint16 (store/arrays.py)
+_BITS = {"bfloat16": mx.uint16}
+GRAIN = 64 << 10  # read buffers' sizes are multiples of this  # numpy has no bfloat16: its bytes travel as uint16 (store/arrays.py)
 
 
 class DriverError(RuntimeError):
@@ -159,8 +160,10 @@ class PinnedBuffers:
         self.failed = False
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 array of `nbytes` (page-locked within the budget)."""
+    def take(self, want: int) -> np.ndarray:
+        """A writable uint8 array of `want` bytes (page-locked within the budget). Buffers come in sizes
+        rounded up to GRAIN: one model's block files differ by a few header bytes."""
+        nbytes = -(-want // GRAIN) * GRAIN
         with self._lock:
             free = self.free.get(nbytes)
             if free:
@@ -170,7 +173,7 @@ class PinnedBuffers:
                 address, self.held = None, self.held + nbytes
             else:
                 self.counters["pageable"] += 1
-                return np.empty(nbytes, np.uint8)
+                return np.empty(want, np.uint8)
         if address is None:
             try:
                 address = self.alloc(nbytes)
@@ -180,12 +183,12 @@ class PinnedBuffers:
                     self.held -= nbytes
                     self.failed = True
                     self.counters["pageable"] += 1
-                return np.empty(nbytes, np.uint8)
+                return np.empty(want, np.uint8)
             with self._lock:
                 self.counters["pinned"] += 1
         owner = (ctypes.c_uint8 * nbytes).from_address(address)  # every view's base: when it goes, the buffer is free
         weakref.finalize(owner, self._give_back, nbytes, address)
-        return np.frombuffer(owner, np.uint8)
+        return np.frombuffer(owner, np.uint8)[:want]
 
     def _give_back(self, nbytes: int, address: int) -> None:
         with self._lock:
