@@ -105,7 +105,9 @@ def down(data_dir: Path) -> int:
 
 
 def _stop(state: FleetState) -> int:
-    found = processes.stop_tagged(state.tag, state.session_ids(), grace_s=STOP_GRACE_S)
+    # The fleet's Redis runs in a session of its own, which the supervisor does not record (it restarts it).
+    found = processes.stop_tagged(state.tag, state.session_ids(), grace_s=STOP_GRACE_S,
+                                  leaders=redis_server.running_in(Path(state.data_dir) / "redis"))
     clear_state(Path(state.data_dir))
     return found
 

@@ -68,11 +68,15 @@ def kill_sessions(session_ids: Iterable[int], sig: int = signal.SIGTERM) -> None
             pass
 
 
-def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0) -> int:
-    """SIGTERM the sessions and every tagged process, SIGKILL what is left; return how many were found."""
-    session_ids = list(session_ids)
+def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0, leaders: Iterable[int] = ()) -> int:
+    """SIGTERM the sessions and every tagged process, SIGKILL what is left; return how many were found.
+    `leaders`: processes that lead sessions of their own and carry no tag /proc can show (the fleet's Redis):
+    their sessions are signalled too, and they count as found."""
+    leaders = list(leaders)
+    session_ids = list(session_ids) + leaders
     kill_sessions(session_ids)
     procs = tagged(tag)
+    extra = len(set(leaders) - {p.pid for p in procs})
     for p in procs:
         _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -85,7 +89,7 @@ def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0
     for p in left:
         _signal(p, signal.SIGKILL)
     psutil.wait_procs(left, timeout=5)
-    return len(procs)
+    return len(procs) + extra
 
 
 def _signal(p: psutil.Process, sig: int) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import redis
 
 from cluster.store.redis_client import redact
@@ -72,6 +73,24 @@ def start(binary: str, port: int, redis_dir: Path, secret: str, log: Path, env: 
     with open(log, "ab") as out:
         return subprocess.Popen(redis_argv(binary, port, redis_dir), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def running_in(redis_dir: Path) -> list[int]:
+    """The pids of every redis-server working in `redis_dir` (a fleet's, by its data dir).
+
+    `down` finds the fleet's processes by the tag in their environment, but redis-server rewrites its
+    process title, which blanks the environment /proc shows, and it runs in a session of its own. So a
+    Redis whose supervisor died (kill -9) was left running by `down`, and the next `up` started a second
+    one beside it. Its working directory (`--dir`) says whose it is."""
+    want = Path(redis_dir).resolve()
+    found = []
+    for proc in psutil.process_iter(["pid", "name"]):
+        try:
+            if "redis" in (proc.info["name"] or "") and Path(proc.cwd()).resolve() == want:
+                found.append(proc.pid)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+            continue
+    return found
 
 
 def owned_by(redis_url: str, pid: int) -> bool:
