@@ -80,8 +80,9 @@ def up(cfg: FleetConfig, out: Callable[[str], None] = print) -> FleetState:
             _start_supervisor(cfg, state, lock_fd, progress)
             _start_ray(cfg, state, progress)
             _deploy(cfg, state, progress)
-        except BaseException:
-            out("  start failed; stopping what was started")
+        except BaseException as e:
+            why = "interrupted" if isinstance(e, KeyboardInterrupt) else "start failed"
+            out(f"  {why}; stopping what was started")
             _stop(state)
             raise
     finally:
