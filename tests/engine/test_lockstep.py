@@ -47,9 +47,12 @@ def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, lead, data_dir
     # Every request, the sampled and the cancelled ones included, decoded the same tokens on both ranks.
     assert follower["generated"] == leader["generated"]
     assert 3 <= leader["cancelled_after"] < 40
-    assert len(leader["sampled"]) == 12
     sharded, whole = leader["sharded"], leader["unsharded"]
-    assert [s["finish"] for s in sharded] == ["length"] * 11
+    # The ten greedy ones run to max_tokens; the sampled one (no seed) may draw the end-of-sequence token
+    # (about 1% of runs on the tiny vocabulary): then it stops there, on both ranks alike (checked above).
+    assert [s["finish"] for s in sharded[:10]] == ["length"] * 10
+    assert (sharded[10]["finish"], len(leader["sampled"])) == ("length", 12) or \
+        (sharded[10]["finish"] == "stop" and 1 <= len(leader["sampled"]) <= 12)
     # The whole model's reference ran each request alone, the sharded ranks batched them: on a GPU a batched row
     # rounds differently from its solo run in the default mode (tests/engine/batching.py), whatever the split,
     # so the comparison says something about sharding on the CPU only (docs/gpu.md has the GPU's figures).
