@@ -39,13 +39,12 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from cluster.store.arrays import to_mlx
+from cluster.store.arrays import AS_BITS, to_mlx
 from cluster.store.block_format import Tagged
 
 log = logging.getLogger(__name__)
 
-_BITS = {"bfloat16": mx.uint16}
-GRAIN = 64 << 10  # read buffers' sizes are multiples of this  # numpy has no bfloat16: its bytes travel as uint16 (store/arrays.py)
+GRAIN = 64 << 10  # read buffers' sizes are multiples of this
 
 
 class DriverError(RuntimeError):
@@ -123,7 +122,8 @@ def upload(tagged: list[Tagged]) -> list[mx.array]:
 
 def _dma(tagged: list[Tagged]) -> list[mx.array]:
     hosts = [np.ascontiguousarray(data) for _, data in tagged]
-    outs = [mx.zeros(h.shape, _BITS.get(tag) or getattr(mx, tag)) for (tag, _), h in zip(tagged, hosts)]
+    dtypes = [getattr(mx, tag) for tag, _ in tagged]
+    outs = [mx.zeros(h.shape, AS_BITS.get(d, d)) for d, h in zip(dtypes, hosts)]  # numpy holds bf16 as uint16
     mx.eval(outs)
     mx.synchronize()  # the fills are done before the copies land (the driver's stream is not MLX's)
     for (tag, _), out, host in zip(tagged, outs, hosts):
@@ -134,7 +134,7 @@ def _dma(tagged: list[Tagged]) -> list[mx.array]:
         if host.nbytes:
             _driver.call("cuMemcpyHtoD", _driver.copy(_address(out), host.ctypes.data, host.nbytes))
     _driver.call("cuCtxSynchronize", _driver.synchronize())
-    return [out.view(getattr(mx, tag)) if tag in _BITS else out for (tag, _), out in zip(tagged, outs)]
+    return [out.view(d) if d in AS_BITS else out for d, out in zip(dtypes, outs)]
 
 
 def _address(a: mx.array) -> int:
@@ -199,14 +199,16 @@ class PinnedBuffers:
             return {"budget_bytes": self.budget, "pinned_bytes": self.held, "failed": self.failed, **self.counters}
 
 
-_pools: dict[str, PinnedBuffers] = {}
+_pool: Optional[PinnedBuffers] = None
 
 
 def pinned_buffers(budget: int) -> Optional[PinnedBuffers]:
     """The process's pool of page-locked read buffers, its budget raised to at least `budget`; None where
     uploads do not use the driver (Metal, the CPU) or the budget is 0."""
+    global _pool
     if budget <= 0 or not applies():
         return None
-    pool = _pools.setdefault("pool", PinnedBuffers(budget))
-    pool.budget = max(pool.budget, budget)
-    return pool
+    if _pool is None:
+        _pool = PinnedBuffers(budget)
+    _pool.budget = max(_pool.budget, budget)
+    return _pool

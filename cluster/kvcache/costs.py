@@ -12,9 +12,9 @@ The speeds are moving averages of what this replica measured itself:
 - RAM: bytes/s of restores built from device blocks alone (PrefixCache);
 - disk: bytes/s of the admission stage's disk reads, checks included;
 - move: bytes/s of moving blocks read in (disk, peer) to the device (PrefixCache). On a
-  Mac this is a copy within unified memory; on CUDA the driver's DMA from pageable host
-  memory (kernels/cuda_upload.py), 3.4-4.8 GB/s on an H100. Until measured, the RAM speed
-  stands in.
+  Mac this is a copy within unified memory; on CUDA the driver's DMA from page-locked read
+  buffers (kernels/cuda_upload.py), 7.9 GB/s on an H100 (3.4-4.8 from pageable memory).
+  Until measured, the RAM speed stands in.
 A speed not measured yet predicts nothing: the hit is taken (it is the likelier
 win, and taking it measures the speed). The replica saves what it measured on the
 node and a restart starts from it (speeds.py). Both sides of the comparison share the

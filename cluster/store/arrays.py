@@ -13,7 +13,7 @@ import numpy as np
 
 from cluster.store.block_format import Tagged
 
-_AS_BITS = {mx.bfloat16: mx.uint16}
+AS_BITS = {mx.bfloat16: mx.uint16}  # dtypes numpy lacks, by the unsigned ints holding their bits
 
 
 def dtype_tag(dtype: mx.Dtype) -> str:
@@ -22,7 +22,7 @@ def dtype_tag(dtype: mx.Dtype) -> str:
 
 def host_views(arrays: list[mx.array]) -> list[Tagged]:
     """Evaluate `arrays` together (one sync) and view each from numpy."""
-    bits = [a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a for a in arrays]
+    bits = [a.view(AS_BITS[a.dtype]) if a.dtype in AS_BITS else a for a in arrays]
     mx.eval(bits)
     return [(dtype_tag(a.dtype), np.asarray(b)) for a, b in zip(arrays, bits)]
 
