@@ -67,11 +67,13 @@ class Supervisor:
         if self.own_redis:
             self._record(running=False)
 
-    def _start_redis(self, fresh_port: bool) -> None:
+    def _start_redis(self, fresh_port: bool, **record) -> None:
         """Start redis-server and check it is ours; retry on failure.
 
         The first start takes a fresh free port each attempt (another process may grab the one we
-        picked before redis binds it); a restart keeps its port, since every client has its URL."""
+        picked before redis binds it); a restart keeps its port, since every client has its URL.
+        `record`: fields saved in the same write as the new pid (a restart's count), so that no reader
+        sees the new Redis running with the old count."""
         binary = redis_server.find_redis_server()
         for attempt in range(START_ATTEMPTS):
             if fresh_port or self.port is None:
@@ -79,7 +81,7 @@ class Supervisor:
             self.proc = redis_server.start(binary, self.port, self.redis_dir, self.secret,
                                            self.data_dir / "logs" / "redis.log", dict(os.environ))
             if self._came_up(redis_server.local_url(self.port, self.secret)):
-                self._record(running=True)
+                self._record(running=True, **record)
                 return
             log.warning("redis did not come up on port %d (attempt %d); retrying", self.port, attempt + 1)
             self._kill(self.proc)
@@ -100,17 +102,15 @@ class Supervisor:
         log.warning("redis (pid %d) exited with %s; restarting it (restart #%d)", self.proc.pid, code, restarts)
         self._record(running=False)
         try:
-            self._start_redis(fresh_port=False)
+            self._start_redis(fresh_port=False, restarts=restarts, last_restart=time.time())
         except RuntimeError as e:
             log.error("%s; will try again", e)
-            return
-        self.state["redis"].update(restarts=restarts, last_restart=time.time())
-        self._save()
 
-    def _record(self, running: bool) -> None:
+    def _record(self, running: bool, **fields) -> None:
         previous = self.state["redis"] or {"restarts": 0, "last_restart": None}
         self.state["redis"] = {**previous, "url": redis_server.redact(redis_server.local_url(self.port, self.secret)),
-                               "port": self.port, "pid": self.proc.pid if self.proc else None, "running": running}
+                               "port": self.port, "pid": self.proc.pid if self.proc else None, "running": running,
+                               **fields}
         self._save()
 
     def _save(self) -> None:
