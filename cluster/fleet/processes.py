@@ -68,10 +68,14 @@ def kill_sessions(session_ids: Iterable[int], sig: int = signal.SIGTERM) -> None
             pass
 
 
-def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0, leaders: Iterable[int] = ()) -> int:
+def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0, leaders: Iterable[int] = (),
+                patient: Iterable[int] = (), brief_s: float | None = None) -> int:
     """SIGTERM the sessions and every tagged process, SIGKILL what is left; return how many were found.
     `leaders`: processes that lead sessions of their own and carry no tag /proc can show (the fleet's Redis):
-    their sessions are signalled too, and they count as found."""
+    their sessions are signalled too, and they count as found.
+    `patient` and `brief_s`: when given, only the `patient` pids (and the leaders) get `grace_s` to exit (those
+    that save state on SIGTERM: the supervisor, Redis); the rest get `brief_s` (Ray's daemons linger for seconds
+    on SIGTERM and hold nothing to save)."""
     leaders = list(leaders)
     session_ids = list(session_ids) + leaders
     kill_sessions(session_ids)
@@ -79,17 +83,31 @@ def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0
     extra = len(set(leaders) - {p.pid for p in procs})
     for p in procs:
         _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not [p for p in tagged(tag) if _alive(p)]:
+    start = time.monotonic()
+    waited = set(patient) | set(leaders)
+    while time.monotonic() < start + grace_s:
+        alive = [p for p in tagged(tag) if _alive(p)] + [p for p in _existing(leaders) if _alive(p)]
+        if brief_s is not None and time.monotonic() >= start + brief_s:
+            alive = [p for p in alive if p.pid in waited]
+        if not alive:
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     kill_sessions(session_ids, signal.SIGKILL)
     left = tagged(tag)
     for p in left:
         _signal(p, signal.SIGKILL)
     psutil.wait_procs(left, timeout=5)
     return len(procs) + extra
+
+
+def _existing(pids: Iterable[int]) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def _signal(p: psutil.Process, sig: int) -> None:
