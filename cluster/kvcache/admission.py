@@ -22,7 +22,9 @@ or late pull only shortens the prefix; the rest is recomputed.
 Restore or recompute: before reading, the plan's bytes by tier and the tokens
 it saves are weighed against recomputing them, with the replica's own measured
 speeds (costs.py); when recomputing is predicted faster, the prompt is
-prefilled cold.
+prefilled cold. Where that prediction read the disk at the spills' write speed
+(no read measured yet), the plan's disk blocks are read once in the background,
+off the request's path, so the next choice has a measured read speed.
 
 Bounds: each store call has its own timeout and goes through a circuit breaker
 (disk_client.py), a pull has its deadline, and the whole stage has one
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import Executor
 from typing import Optional, Protocol
@@ -70,6 +73,7 @@ class Admission:
         self.peers = peers
         self.fetch_timeout_s = fetch_timeout_s
         self.timeouts = 0
+        self._sampling = threading.Lock()  # held while a sample read runs (one at a time)
 
     async def fetch_async(self, prompt: list[int], pull: Optional[FetchPlan] = None) -> Prefetch:
         """`fetch` on the admission executor, bounded by the stage deadline; any trouble means cold."""
@@ -115,6 +119,7 @@ class Admission:
             unread = [r for r in reads if r[2] not in blocks]
             if choose and round_ == 0 and not self._restore_pays(len(prompt), n, unread,
                                                                  tail.nbytes if tail is not None else 0):
+                self._sample_read(unread)
                 break  # recomputing is predicted faster (costs.py): cold
             bad = self._fetch(unread, ids, blocks, sources)
             if not bad:
@@ -185,6 +190,29 @@ class Admission:
         ram = tail_bytes + sum(size[kind] for (kind, _, _), held in zip(reads, in_ram) if held)
         disk = sum(size[kind] for (kind, _, _), held in zip(reads, in_ram) if not held)
         return pc.costs.restore_pays(prompt_len, n, ram, disk)
+
+    def _sample_read(self, reads: list[tuple[str, int, bytes]]) -> None:
+        """After a recompute chosen with the disk's read speed unmeasured (the write speed stood in): read the
+        plan's disk blocks on a thread of their own, off this request's path, and measure the read. One at a
+        time; the bytes are let go (the request is already prefilling cold)."""
+        pc = self.cache
+        if pc.tiers.disk is None or not pc.costs.read_unmeasured():
+            return
+        keys = [k for (_, _, k), held in zip(reads, pc.tiers.ram.present([k for _, _, k in reads])) if not held]
+        if not keys or not self._sampling.acquire(blocking=False):
+            return
+
+        def run():
+            try:
+                t0 = time.perf_counter()
+                read = pc.tiers.disk.get_many(keys)
+                pc.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)
+            except Exception:  # a measurement: never a failure anyone sees
+                log.exception("sample read of the disk failed")
+            finally:
+                self._sampling.release()
+
+        threading.Thread(target=run, name="mlx-fleet-disk-sample", daemon=True).start()
 
     def _pull(self, plan: FetchPlan, ids: list[bytes], have: int, blocks: dict) -> int:
         """Pull blocks [have, plan.end_block) (and its checkpoint) from the peer; keep what verifies.

@@ -11,12 +11,19 @@ The speeds are moving averages of what this replica measured itself:
 - prefill tokens/s: the scheduler's (`prefill_tps`, set by the replica);
 - RAM: bytes/s of restores built from device blocks alone (PrefixCache);
 - disk: bytes/s of the admission stage's disk reads, checks included;
+- write: bytes/s of the spills' writes, fsync included (disk_client.py). Until a read is
+  measured, the write speed stands in for the read's: blocks on the disk were written
+  first, an SSD reads at least as fast as it writes and syncs, and so a first disk hit
+  is not taken where even a read at the write's speed loses to recomputing (on the
+  H100 it took 1.0 s against a cold prefill's 0.3). A recompute chosen on that stand-in
+  also has the blocks read in the background (admission.py: `sample_read`), off the
+  request's path, so the read speed is measured and the next hit is chosen on it;
 - move: bytes/s of moving blocks read in (disk, peer) to the device (PrefixCache). On a
   Mac this is a copy within unified memory; on CUDA the driver's DMA from page-locked read
   buffers (kernels/cuda_upload.py), 7.9 GB/s on an H100 (3.4-4.8 from pageable memory).
   Until measured, the RAM speed stands in.
-A speed not measured yet predicts nothing: the hit is taken (it is the likelier
-win, and taking it measures the speed). The replica saves what it measured on the
+A speed not measured yet (and no write speed for the disk) predicts nothing: the hit
+is taken (it is the likelier win, and taking it measures the speed). The replica saves what it measured on the
 node and a restart starts from it (speeds.py). Both sides of the comparison share the
 prompt's last forward, so it is left out of both.
 """
@@ -39,11 +46,12 @@ class Costs:
     ram_bps: float = 0.0
     disk_bps: float = 0.0
     move_bps: float = 0.0
+    write_bps: float = 0.0
     choices: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe(self, tier: str, nbytes: int, seconds: float) -> None:
-        """A measured restore from `tier` ("ram", "disk" or "move") of `nbytes` in `seconds`."""
+        """A measured restore from `tier` ("ram", "disk" or "move"), or spill ("write"), of `nbytes` in `seconds`."""
         if nbytes < MIN_BYTES or seconds <= 0:
             return
         bps = nbytes / seconds
@@ -53,12 +61,14 @@ class Costs:
 
     def predict(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> tuple[float, float] | None:
         """(seconds to restore n tokens and prefill the rest, seconds to prefill it all), or None when a
-        speed it needs is not measured yet. Disk bytes also pay their move to the device."""
+        speed it needs is not measured yet. Disk bytes also pay their move to the device; until a read is
+        measured, they are read at the spills' write speed."""
         tps = self.prefill_tps()
-        if tps <= 0 or (ram_bytes or disk_bytes) and not self.ram_bps or disk_bytes and not self.disk_bps:
+        read_bps = self.disk_bps or self.write_bps
+        if tps <= 0 or (ram_bytes or disk_bytes) and not self.ram_bps or disk_bytes and not read_bps:
             return None
         moved = ram_bytes / self.ram_bps if ram_bytes else 0.0
-        read = disk_bytes / self.disk_bps + disk_bytes / (self.move_bps or self.ram_bps) if disk_bytes else 0.0
+        read = disk_bytes / read_bps + disk_bytes / (self.move_bps or self.ram_bps) if disk_bytes else 0.0
         return moved + read + (prompt_len - n) / tps, prompt_len / tps
 
     def restore_pays(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> bool:
@@ -69,17 +79,23 @@ class Costs:
             self.choices["restore" if restore else "recompute"] += 1
         return restore
 
+    def read_unmeasured(self) -> bool:
+        """Whether disk reads are predicted from the write speed alone (worth a sample read: `sample_read`)."""
+        return not self.disk_bps and bool(self.write_bps)
+
     def seed(self, speeds: Speeds) -> None:
         """Start from speeds measured before (a restart): later measurements average into them."""
         with self._lock:
             self.ram_bps, self.disk_bps, self.move_bps = speeds.ram_bps, speeds.disk_bps, speeds.move_bps
+            self.write_bps = speeds.write_bps
 
     def snapshot(self, namespace: bytes) -> Speeds:
         with self._lock:
             return Speeds(namespace=namespace.hex(), prefill_tps=self.prefill_tps(), ram_bps=self.ram_bps,
-                          disk_bps=self.disk_bps, move_bps=self.move_bps)
+                          disk_bps=self.disk_bps, move_bps=self.move_bps, write_bps=self.write_bps)
 
     def stats(self) -> dict:
         return {"prefill_tps": round(self.prefill_tps(), 1), "ram_gbps": round(self.ram_bps / 1e9, 3),
                 "disk_gbps": round(self.disk_bps / 1e9, 3), "move_gbps": round(self.move_bps / 1e9, 3),
+                "write_gbps": round(self.write_bps / 1e9, 3),
                 "choices": dict(self.choices)}

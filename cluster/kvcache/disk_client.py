@@ -73,6 +73,9 @@ class DiskClient:
         # Where a read's bytes land (read_file): a device replica on CUDA reads into page-locked buffers
         # (kernels/cuda_upload.PinnedBuffers: take(n), stats(); set by setup_cache); else fresh ordinary memory.
         self.buffers = None
+        # Told each acknowledged batch's (bytes, seconds), fsync included: the write speed that stands in for
+        # the read speed until a read is measured (costs.py; set by setup_cache).
+        self.on_written: Optional[Callable[[int, float], None]] = None
         self.on_disk: set[bytes] = set()
         # Each block's size as the store's events and resyncs report it. A map, not a running sum: a
         # resync's key list already holds the events read with it, and applying them again is a no-op.
@@ -264,9 +267,13 @@ class DiskClient:
         if self.breaker.allow():
             try:
                 items = self._encoded(batch)
+                t0 = time.perf_counter()
                 self.link.write(self.ns, items)
+                seconds = time.perf_counter() - t0
                 acked = [k for k, _ in items]
                 self.breaker.success()
+                if self.on_written is not None:
+                    self.on_written(sum(memoryview(a).nbytes for _, a in items), seconds)
             except Exception as e:  # the store is down or slow: these spills are lost, RAM keeps the blocks
                 log.warning("spill of %d blocks failed: %s", len(batch), e)
                 self.breaker.failure()

@@ -129,6 +129,8 @@ def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_di
         disk.buffers = cuda_upload.pinned_buffers(config.pinned_read_bytes)
     tiers = Tiers(config.ram_bytes, fp.namespace, disk, listener, device=payload is None)
     cache = PrefixCache(layout, fp.namespace, config, tiers, shapes, codec, payload, schedule)
+    if disk is not None:  # through the cache, whose costs a caller may replace (bench ttft carries them over)
+        disk.on_written = lambda nbytes, seconds: cache.costs.observe("write", nbytes, seconds)
     if payload is not None:
         cache.codec_quality = payload.quality(probe_block(model, layout, config.block_tokens))
         log.info("KV codec %s on this model's own K/V: %s", config.kv_codec, cache.codec_quality)

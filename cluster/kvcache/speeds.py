@@ -37,10 +37,12 @@ class Speeds(BaseModel):
     ram_bps: float = Field(0.0, ge=0, description="Bytes/s of restores from device blocks alone.")
     disk_bps: float = Field(0.0, ge=0, description="Bytes/s of disk reads, checks included.")
     move_bps: float = Field(0.0, ge=0, description="Bytes/s of moving blocks read in to the device.")
+    write_bps: float = Field(0.0, ge=0, description="Bytes/s of spills written, fsync included (stands in for "
+                             "the disk's read speed until a read is measured).")
     saved: float = Field(0.0, description="When it was written (Unix seconds).")
 
     def measured(self) -> bool:
-        return any((self.prefill_tps, self.ram_bps, self.disk_bps, self.move_bps))
+        return any((self.prefill_tps, self.ram_bps, self.disk_bps, self.move_bps, self.write_bps))
 
     def same(self, other: "Speeds | None") -> bool:
         """The same speeds, whenever each was saved."""

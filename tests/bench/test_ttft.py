@@ -12,10 +12,11 @@ def test_a_row_has_cold_captures_and_bitwise_hits(tmp_path, monkeypatch):
     # capture must still start from an empty disk (measure raises if a capture finds anything cached)
     monkeypatch.setattr(spill, "SPILL_DELAY_S", 0.0)
     row = ttft.measure("tiny-dense", tmp_path, tokens=256, block_tokens=64, repeat=2)
-    assert (row["cached_tokens"], row["disk_cached_runs"]) == (255, [255, 255])
-    assert row["choices"] == {"restore": 4, "recompute": 0}
+    assert (row["cached_tokens"], row["disk_cached_runs"], row["chosen_cached_runs"]) == (255, [255, 255], [255, 255])
+    assert row["choices"] == {"restore": 4, "recompute": 0}  # the RAM hits and the chosen runs (the forced: their own)
     assert (row["spilled"], row["dropped_spills"]) == (4, 0)
     assert row["same_first_token"] and row["ram_logit_diff"] == 0.0 and row["disk_logit_diff"] == 0.0
-    assert [len(row["runs_s"][k]) for k in ("cold", "capture", "ram", "disk")] == [2, 2, 2, 2]
-    # both disk runs restored: the disk figure is theirs, and no recompute figure
+    assert [len(row["runs_s"][k]) for k in ("cold", "capture", "ram", "disk", "chosen")] == [2, 2, 2, 2, 2]
+    assert row["chosen_worst_vs_cold"] == max(row["runs_s"]["chosen"]) / row["cold_s"]
+    # both disk runs restored: the disk figure is theirs, and, every chosen run restoring, no recompute figure
     assert row["disk_s"] == statistics.median(row["runs_s"]["disk"]) and row["disk_recompute_s"] is None

@@ -45,3 +45,15 @@ def test_speeds_are_moving_averages_of_big_enough_transfers():
     c.observe("disk", 2 * GB, 1.0)
     c.observe("disk", 2 * GB, 2.0)
     assert c.disk_bps == 0.7 * 2 * GB + 0.3 * GB
+
+
+def test_until_a_read_is_measured_the_spills_write_speed_stands_in_for_it():
+    c = costs(tps=25_000.0, ram=250e9, disk=0.0)  # the H100's 8B: a first disk hit took 1.0 s against cold's 0.3
+    assert c.predict(8192, 7680, 0, int(1.2e9)) is None and not c.read_unmeasured()  # nothing to go by: taken
+    c.observe("write", int(1.2e9), 1.2)
+    restore, cold = c.predict(8192, 7680, 0, int(1.2e9))
+    assert restore == 1.2e9 / 1e9 + 1.2e9 / 250e9 + 512 / 25_000 and restore > cold
+    assert c.read_unmeasured() and not c.restore_pays(8192, 7680, 0, int(1.2e9))
+    c.observe("disk", int(1.2e9), 0.4)  # the read, once measured, decides
+    assert not c.read_unmeasured() and c.predict(8192, 7680, 0, int(1.2e9))[0] == 1.2e9 / 3e9 + 1.2e9 / 250e9 + 512 / 25_000
+    assert c.stats()["write_gbps"] == 1.0

@@ -7,6 +7,7 @@ import pytest
 
 from cluster.kernels import cuda_upload
 from cluster.kvcache import device_blocks
+from cluster.kvcache.admission import Admission
 from cluster.store.hashing import chain_ids
 from cluster.store import arrays, block_format
 from tests.kvcache.conftest import forget_ram, prompt_of, ram_blocks
@@ -124,6 +125,28 @@ def test_restore_or_recompute_follows_the_predicted_costs(disk_harness):
     assert h.pc.stats()["costs"]["choices"] == costs.choices
     h.assert_same(cold_choice, h.cold(prompt))
     h.assert_same(hit, h.cold(prompt))
+
+
+def test_a_recompute_chosen_on_the_write_speed_measures_the_read_off_the_requests_path(disk_harness):
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    h.warm(prompt, max_tokens=2)
+    forget_ram(h)
+    costs = h.pc.costs
+    costs.ram_bps, costs.disk_bps, costs.write_bps = 1e9, 0.0, 1e3  # no read yet; writes so slow any prefill wins
+    costs.prefill_tps = lambda: 1e6
+    reads, real_read = [], h.pc.tiers.disk.get_many
+    h.pc.tiers.disk.get_many = lambda keys: reads.append(threading.current_thread().name) or real_read(keys)
+    admission = Admission(h.pc)
+    cold_choice = admission.fetch(prompt)
+    assert cold_choice.n == 0 and costs.choices == {"restore": 0, "recompute": 1}
+    with admission._sampling:  # the sample read has ended
+        pass
+    assert reads == ["mlx-fleet-disk-sample"] and costs.disk_bps > 1e3 and not costs.read_unmeasured()
+    costs.prefill_tps = lambda: 1e3  # the measured read decides now: against a slow prefill, restore
+    hit = admission.fetch(prompt)
+    assert hit.n > 0 and costs.choices == {"restore": 1, "recompute": 1}
+    assert reads == ["mlx-fleet-disk-sample", threading.current_thread().name]
 
 
 @pytest.mark.parametrize("few_launches", [False, True])  # the CPU's way (one copy per byte) and a GPU's

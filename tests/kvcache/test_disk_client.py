@@ -150,3 +150,15 @@ def test_a_transient_read_error_leaves_the_block_known_on_disk(tmp_path, monkeyp
     client.touch([blocks[0][1]])
     assert client._touches == {blocks[0][1]}
     client.close()
+
+
+def test_each_written_batch_reports_its_bytes_and_time(tmp_path):
+    blocks = chain(3)
+    client = client_for(DiskStore(tmp_path / "node", budget=1 << 30))
+    written = []
+    client.on_written = lambda nbytes, seconds: written.append((nbytes, seconds))
+    for _, key, data in blocks:
+        client.put(key, data)
+    assert client.flush(10)
+    assert sum(n for n, _ in written) == sum(len(d) for *_, d in blocks) and all(s > 0 for _, s in written)
+    client.close()
