@@ -109,14 +109,21 @@ def test_a_spill_never_blocks_the_model_thread(disk_harness, monkeypatch):
     h.assert_same(again, h.cold(prompt))
 
 
-def test_restore_or_recompute_follows_the_predicted_costs(disk_harness):
-    h = disk_harness("tiny-dense")
-    prompt = prompt_of(300)
+def on_disk_only(h, prompt, disk_bps: float, write_bps: float = 0.0):
+    """The prompt's blocks on the disk alone, and the replica's speeds: a fast RAM, a very fast prefill, and
+    the disk's read and write speeds given."""
     h.warm(prompt, max_tokens=2)
     forget_ram(h)
     costs = h.pc.costs
-    costs.ram_bps, costs.disk_bps = 1e9, 1e3  # a disk so slow that any prefill beats it
+    costs.ram_bps, costs.disk_bps, costs.write_bps = 1e9, disk_bps, write_bps
     costs.prefill_tps = lambda: 1e6
+    return costs
+
+
+def test_restore_or_recompute_follows_the_predicted_costs(disk_harness):
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    costs = on_disk_only(h, prompt, disk_bps=1e3)  # a disk so slow that any prefill beats it
     cold_choice = h.warm(prompt)
     assert cold_choice.cached == 0 and costs.choices == {"restore": 0, "recompute": 1}
     costs.prefill_tps = lambda: 1.0  # a prefill so slow that any read beats it
@@ -130,11 +137,7 @@ def test_restore_or_recompute_follows_the_predicted_costs(disk_harness):
 def test_a_recompute_chosen_on_the_write_speed_measures_the_read_off_the_requests_path(disk_harness):
     h = disk_harness("tiny-dense")
     prompt = prompt_of(300)
-    h.warm(prompt, max_tokens=2)
-    forget_ram(h)
-    costs = h.pc.costs
-    costs.ram_bps, costs.disk_bps, costs.write_bps = 1e9, 0.0, 1e3  # no read yet; writes so slow any prefill wins
-    costs.prefill_tps = lambda: 1e6
+    costs = on_disk_only(h, prompt, disk_bps=0.0, write_bps=1e3)  # no read yet; writes so slow any prefill wins
     reads, real_read = [], h.pc.tiers.disk.get_many
     h.pc.tiers.disk.get_many = lambda keys: reads.append(threading.current_thread().name) or real_read(keys)
     admission = Admission(h.pc)
