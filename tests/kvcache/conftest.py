@@ -160,25 +160,30 @@ def forget_ram(h: Harness) -> None:
         h.pc.tiers.ram.discard(key)
 
 
-@pytest.fixture
-def disk_harness(load_builtin, data_dir, tmp_path):
-    """A Harness whose cache also has a real disk tier (in-process DiskStore) and a tiny RAM tier."""
+def disk_harness_of(model, tok, model_dir, tmp_path, node_dir, ram_bytes: int = 1 << 30, events=None,
+                    budget: int = 1 << 30, **kw) -> Harness:
+    """A Harness over `model` whose cache also has a real disk tier (in-process DiskStore at `node_dir`)."""
     from cluster.kvcache.store_link import LocalLink
     from cluster.store.disk_tier import DiskStore
 
-    def make(name: str, ram_bytes: int = 1 << 30, node_dir=None, events=None, budget=1 << 30, **kw) -> Harness:
+    store = DiskStore(node_dir, budget=budget, listener=events.append if events is not None else None)
+    h = Harness.__new__(Harness)
+    h.model, h.tok, h.B, h.step = model, tok, kw.get("block_tokens", 32), kw.get("prefill_step", 64)
+    cfg = CacheConfig(block_tokens=h.B, ram_bytes=ram_bytes, spill_queue_bytes=kw.get("queue", 256 << 20),
+                      kv_codec=kw.get("kv_codec", "native"), resume_at=kw.get("resume_at", "auto"))
+    h.setup = setup_cache(model, tok, model_dir, cfg, tmp_path, store_link=LocalLink(store),
+                          listener=events.append if events is not None else None, prefill_step=h.step)
+    h.pc = h.setup.cache
+    h.schedule = h.pc.schedule
+    h.wrong = WRONG[getattr(mx, h.pc.dtype)]
+    h.store = store
+    return h
+
+
+@pytest.fixture
+def disk_harness(load_builtin, data_dir, tmp_path):
+    """A Harness whose cache also has a real disk tier (in-process DiskStore) and a tiny RAM tier."""
+    def make(name: str, node_dir=None, **kw) -> Harness:
         model, tok = load_builtin(name)
-        store = DiskStore(node_dir or tmp_path / "node", budget=budget,
-                          listener=events.append if events is not None else None)
-        h = Harness.__new__(Harness)
-        h.model, h.tok, h.B, h.step = model, tok, kw.get("block_tokens", 32), kw.get("prefill_step", 64)
-        cfg = CacheConfig(block_tokens=h.B, ram_bytes=ram_bytes, spill_queue_bytes=kw.get("queue", 256 << 20),
-                          kv_codec=kw.get("kv_codec", "native"), resume_at=kw.get("resume_at", "auto"))
-        h.setup = setup_cache(model, tok, resolve_model(name, data_dir), cfg, tmp_path, store_link=LocalLink(store),
-                              listener=events.append if events is not None else None, prefill_step=h.step)
-        h.pc = h.setup.cache
-        h.schedule = h.pc.schedule
-        h.wrong = WRONG[getattr(mx, h.pc.dtype)]
-        h.store = store
-        return h
+        return disk_harness_of(model, tok, resolve_model(name, data_dir), tmp_path, node_dir or tmp_path / "node", **kw)
     return make
