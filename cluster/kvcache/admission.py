@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 ROUNDS = 4  # plan -> fetch attempts; each failed one strictly shrinks the plan
 ADMISSION_THREADS = 4  # a replica's (and a sharded replica's follower's) reads at once
+# A sample read's bytes at most: enough to measure a disk's bandwidth, little enough not to slow the recompute
+# it runs beside (all 4.8 GB of a 32k-token 8B prompt made that recompute 22% slower on an H100).
+SAMPLE_BYTES = 256 << 20
 
 
 class FetchPlan(Protocol):
@@ -193,12 +196,17 @@ class Admission:
 
     def _sample_read(self, reads: list[tuple[str, int, bytes]]) -> None:
         """After a recompute chosen with the disk's read speed unmeasured (the write speed stood in): read the
-        plan's disk blocks on a thread of their own, off this request's path, and measure the read. One at a
-        time; the bytes are let go (the request is already prefilling cold)."""
+        plan's first disk blocks (SAMPLE_BYTES) on a thread of their own, off this request's path, and measure
+        the read. One at a time; the bytes are let go (the request is already prefilling cold)."""
         pc = self.cache
         if pc.tiers.disk is None or not pc.costs.read_unmeasured():
             return
-        keys = [k for (_, _, k), held in zip(reads, pc.tiers.ram.present([k for _, _, k in reads])) if not held]
+        size = {"kv": pc.block_bytes, "state": pc.shapes.state_bytes}
+        keys, nbytes = [], 0
+        for (kind, _, key), held in zip(reads, pc.tiers.ram.present([k for _, _, k in reads])):
+            if not held and nbytes < SAMPLE_BYTES:
+                keys.append(key)
+                nbytes += size[kind]
         if not keys or not self._sampling.acquire(blocking=False):
             return
 

@@ -251,6 +251,7 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
         return log.read_text()[-6000:]
 
     netns_pids: set[str] = set()
+    torn_down = False
     t0 = time.monotonic()
     try:
         r = ray("up", "-y", str(cluster), "--no-config-cache", timeout=150)
@@ -355,8 +356,10 @@ def test_ray_up_brings_up_the_fleet_on_three_mini_hosts(tmp_path, mini_hosts):
         while (left := _ray_processes(NAMES)) and time.monotonic() < deadline:
             time.sleep(1)
         assert not left, f"Ray processes left on the mini-hosts after the documented teardown: {left}"
+        torn_down = True
     finally:
-        ray("down", "-y", str(cluster), timeout=90)  # again, for a failure above (idempotent)
+        if not torn_down:
+            ray("down", "-y", str(cluster), timeout=90)  # for a failure above (idempotent)
         for ns in NAMES:
             netns_pids |= set(_run(["ip", "netns", "pids", ns]).stdout.split())
         r = fleet("down")

@@ -132,8 +132,8 @@ def test_steady_clients_on_a_hot_prompt_spread_and_the_peers_serve_from_their_ow
     assert sum(own.values()) > sum(pulls.values()), (own, pulls)  # a peer pulls it once or so, then has it
     cold = [http.post("/v1/chat/completions", headers={"x-fleet-cache": "bypass"},
                       json={"model": MODEL, "messages": m, "max_tokens": 8, "temperature": 0})
-            for m, _, _, _ in results[::3]]
-    assert [c.json()["choices"][0]["message"]["content"] for c in cold] == [t for _, _, t, _ in results[::3]]
+            for m, _, _, _ in results[::6]]  # four of the 24, over four clients
+    assert [c.json()["choices"][0]["message"]["content"] for c in cold] == [t for _, _, t, _ in results[::6]]
 
 
 def block_file(fleet, node_id: str, messages: list, index: int):

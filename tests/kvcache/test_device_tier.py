@@ -139,17 +139,18 @@ def test_a_recompute_chosen_on_the_write_speed_measures_the_read_off_the_request
     prompt = prompt_of(300)
     costs = on_disk_only(h, prompt, disk_bps=0.0, write_bps=1e3)  # no read yet; writes so slow any prefill wins
     reads, real_read = [], h.pc.tiers.disk.get_many
-    h.pc.tiers.disk.get_many = lambda keys: reads.append(threading.current_thread().name) or real_read(keys)
+    h.pc.tiers.disk.get_many = lambda keys: reads.append((threading.current_thread().name, len(keys))) or real_read(keys)
     admission = Admission(h.pc)
     cold_choice = admission.fetch(prompt)
     assert cold_choice.n == 0 and costs.choices == {"restore": 0, "recompute": 1}
     with admission._sampling:  # the sample read has ended
         pass
-    assert reads == ["mlx-fleet-disk-sample"] and costs.disk_bps > 1e3 and not costs.read_unmeasured()
+    assert [t for t, _ in reads] == ["mlx-fleet-disk-sample"] and costs.disk_bps > 1e3 and not costs.read_unmeasured()
     costs.prefill_tps = lambda: 1e3  # the measured read decides now: against a slow prefill, restore
     hit = admission.fetch(prompt)
     assert hit.n > 0 and costs.choices == {"restore": 1, "recompute": 1}
-    assert reads == ["mlx-fleet-disk-sample", threading.current_thread().name]
+    assert [t for t, _ in reads] == ["mlx-fleet-disk-sample", threading.current_thread().name]
+    assert reads[0][1] == reads[1][1]  # the whole plan, under SAMPLE_BYTES
 
 
 @pytest.mark.parametrize("few_launches", [False, True])  # the CPU's way (one copy per byte) and a GPU's
@@ -265,3 +266,19 @@ def test_a_spill_from_a_device_copy_writes_the_same_envelopes(disk_harness):
     for key in ram_blocks(h):
         assert h.store.path(h.pc.namespace, key).read_bytes() == bytes(h.pc.envelope(key))
     h.assert_same(h.warm(prompt), h.cold(prompt))
+
+
+def test_a_sample_read_takes_the_plans_first_blocks_up_to_its_bytes(disk_harness, monkeypatch):
+    from cluster.kvcache import admission as admission_module
+
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    costs = on_disk_only(h, prompt, disk_bps=0.0, write_bps=1e3)
+    monkeypatch.setattr(admission_module, "SAMPLE_BYTES", 2 * h.pc.block_bytes)
+    reads, real_read = [], h.pc.tiers.disk.get_many
+    h.pc.tiers.disk.get_many = lambda keys: reads.append(list(keys)) or real_read(keys)
+    admission = Admission(h.pc)
+    assert admission.fetch(prompt).n == 0 and costs.choices == {"restore": 0, "recompute": 1}
+    with admission._sampling:
+        pass
+    assert reads == [chain_ids(h.pc.namespace, prompt, h.B)[:2]]
