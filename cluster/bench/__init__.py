@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "cluster.bench.gpu",
     "agreement": "cluster.bench.agreement",
     "shard": "cluster.bench.shard",
+    "repeat": "cluster.bench.repeat",
 }
 
 
