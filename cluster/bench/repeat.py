@@ -15,7 +15,8 @@ decode's attention three ways (prefill always the stock way):
 Each run is cut by the replica's prefill schedule (`--resume-at`, `--block-tokens`, `--prefill-step`: by
 default the canonical one of tests/kvcache/test_canonical_schedule.py). Reported per variant: how many
 distinct logit rows the runs gave at each step (1: bitwise repeatable), the largest difference between
-runs, and against the stock runs (not 0 where the variant took effect).
+runs, and against the stock runs (on a GPU not 0 where the variant changed the kernel; on the CPU the
+contiguous one runs the same kernel, and the ops one too in float32).
 No goal: a diagnosis of the backend.
 """
 
@@ -40,7 +41,7 @@ def _attention(variant: str, stock):
         return stock(q, k, v, cache=cache, scale=scale, mask=mask, **kw)
 
     def ops(q, k, v, cache, scale, mask, **kw):
-        if q.shape[2] != 1:
+        if q.shape[2] != 1 or kw.get("sinks") is not None:  # attention sinks: not this variant's
             return stock(q, k, v, cache=cache, scale=scale, mask=mask, **kw)
         if q.shape[1] != k.shape[1]:  # grouped queries: each KV head serves q_heads / kv_heads of them
             k, v = (mx.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
@@ -79,6 +80,7 @@ def measure(model, tok, path: Path, tokens: int, max_tokens: int, runs: int, res
             seq.step()
         return np.array(mx.stack(seq.logits).astype(mx.float32))
 
+    variants = ("stock", *(v for v in variants if v != "stock"))  # first: the others are compared with it
     out, first = {}, None
     try:
         for variant in variants:

@@ -27,7 +27,7 @@ from cluster.fleet.state import FleetState, clear_state, fleet_tag, load_state, 
 from cluster.models.resolve import check_source, resolve_model
 
 APP_NAME = "mlx-fleet"
-STOP_GRACE_S = 10.0  # the supervisor's and Redis's (its snapshot)
+STOP_GRACE_S = 12.0  # the supervisor's: it gives its Redis 10 s, then records that it stopped
 DAEMON_GRACE_S = 0.5  # everything else's
 DEPLOY_TIMEOUT_S = 900.0
 REDIS_TIMEOUT_S = 60.0
@@ -108,8 +108,8 @@ def down(data_dir: Path) -> int:
 
 def _stop(state: FleetState) -> int:
     # The fleet's Redis runs in a session of its own, which the supervisor does not record (it restarts it).
-    # The supervisor and Redis save state on SIGTERM and get the grace; Ray's daemons hold nothing (Serve drained
-    # first) but linger for seconds on SIGTERM, so they get a brief one.
+    # The supervisor (it stops its Redis and records that) and Redis get the grace; Ray's daemons hold nothing
+    # (Serve drained first) but linger for seconds on SIGTERM, so they get a brief one.
     found = processes.stop_tagged(state.tag, state.session_ids(), grace_s=STOP_GRACE_S,
                                   leaders=redis_server.running_in(Path(state.data_dir) / "redis"),
                                   patient=[state.supervisor_session_id] if state.supervisor_session_id else [],

@@ -73,9 +73,9 @@ def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0
     """SIGTERM the sessions and every tagged process, SIGKILL what is left; return how many were found.
     `leaders`: processes that lead sessions of their own and carry no tag /proc can show (the fleet's Redis):
     their sessions are signalled too, and they count as found.
-    `patient` and `brief_s`: when given, only the `patient` pids (and the leaders) get `grace_s` to exit (those
-    that save state on SIGTERM: the supervisor, Redis); the rest get `brief_s` (Ray's daemons linger for seconds
-    on SIGTERM and hold nothing to save)."""
+    `patient` and `brief_s`: when given, only the `patient` pids (and the leaders) get `grace_s` to exit (the
+    supervisor, which stops its Redis and records that); the rest get `brief_s` (Ray's daemons linger for
+    seconds on SIGTERM and hold nothing to save)."""
     leaders = list(leaders)
     session_ids = list(session_ids) + leaders
     kill_sessions(session_ids)
@@ -85,8 +85,9 @@ def stop_tagged(tag: str, session_ids: Iterable[int] = (), grace_s: float = 10.0
         _signal(p, signal.SIGTERM)
     start = time.monotonic()
     waited = set(patient) | set(leaders)
+    untagged = _existing(leaders)  # made once: psutil then tells a reused pid from the process it was
     while time.monotonic() < start + grace_s:
-        alive = [p for p in tagged(tag) if _alive(p)] + [p for p in _existing(leaders) if _alive(p)]
+        alive = [p for p in tagged(tag) if _alive(p)] + [p for p in untagged if _alive(p)]
         if brief_s is not None and time.monotonic() >= start + brief_s:
             alive = [p for p in alive if p.pid in waited]
         if not alive:

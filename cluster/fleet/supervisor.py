@@ -121,7 +121,7 @@ class Supervisor:
 
     def _stop_redis(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # redis saves its snapshot on SIGTERM
+            self.proc.terminate()  # no snapshot to save (redis_server.py: --save ""): it exits at once
             try:
                 self.proc.wait(10)
             except Exception:

@@ -23,8 +23,9 @@ Restore or recompute: before reading, the plan's bytes by tier and the tokens
 it saves are weighed against recomputing them, with the replica's own measured
 speeds (costs.py); when recomputing is predicted faster, the prompt is
 prefilled cold. Where that prediction read the disk at the spills' write speed
-(no read measured yet), the plan's disk blocks are read once in the background,
-off the request's path, so the next choice has a measured read speed.
+(no read measured yet), the plan's first disk blocks (about SAMPLE_BYTES) are read
+in the background, off the request's path, so the next choice has a measured read
+speed.
 
 Bounds: each store call has its own timeout and goes through a circuit breaker
 (disk_client.py), a pull has its deadline, and the whole stage has one
@@ -42,6 +43,7 @@ import time
 from concurrent.futures import Executor
 from typing import Optional, Protocol
 
+from cluster.kvcache.costs import MIN_BYTES
 from cluster.kvcache.device_blocks import DeviceBlock
 from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.prefix_cache import Prefetch, PrefixCache
@@ -53,8 +55,10 @@ log = logging.getLogger(__name__)
 
 ROUNDS = 4  # plan -> fetch attempts; each failed one strictly shrinks the plan
 ADMISSION_THREADS = 4  # a replica's (and a sharded replica's follower's) reads at once
-# A sample read's bytes at most: enough to measure a disk's bandwidth, little enough not to slow the recompute
-# it runs beside (all 4.8 GB of a 32k-token 8B prompt made that recompute 22% slower on an H100).
+# A sample read's bytes (about: whole blocks, the last one may pass it): enough to measure a disk's bandwidth,
+# little enough not to slow the recompute it runs beside (all 4.8 GB of a 32k-token 8B prompt made that
+# recompute 22% slower on an H100). A plan with less than costs.MIN_BYTES on the disk is not sampled: a
+# transfer that small would not be measured.
 SAMPLE_BYTES = 256 << 20
 
 
@@ -207,20 +211,23 @@ class Admission:
             if not held and nbytes < SAMPLE_BYTES:
                 keys.append(key)
                 nbytes += size[kind]
-        if not keys or not self._sampling.acquire(blocking=False):
+        if nbytes < MIN_BYTES or not self._sampling.acquire(blocking=False):
             return
 
         def run():
             try:
                 t0 = time.perf_counter()
-                read = pc.tiers.disk.get_many(keys)
+                read = pc.tiers.disk.get_many(keys, sample=True)
                 pc.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)
             except Exception:  # a measurement: never a failure anyone sees
                 log.exception("sample read of the disk failed")
             finally:
                 self._sampling.release()
 
-        threading.Thread(target=run, name="mlx-fleet-disk-sample", daemon=True).start()
+        try:
+            threading.Thread(target=run, name="mlx-fleet-disk-sample", daemon=True).start()
+        except RuntimeError:  # no thread to be had: no sample this time, and the next may try
+            self._sampling.release()
 
     def _pull(self, plan: FetchPlan, ids: list[bytes], have: int, blocks: dict) -> int:
         """Pull blocks [have, plan.end_block) (and its checkpoint) from the peer; keep what verifies.

@@ -16,8 +16,8 @@ The speeds are moving averages of what this replica measured itself:
   first, an SSD reads at least as fast as it writes and syncs, and so a first disk hit
   is not taken where even a read at the write's speed loses to recomputing (on the
   H100 it took 1.0 s against a cold prefill's 0.3). A recompute chosen on that stand-in
-  also has the blocks read in the background (admission.py: `sample_read`), off the
-  request's path, so the read speed is measured and the next hit is chosen on it;
+  also has its first disk blocks read in the background (Admission._sample_read), off
+  the request's path, so the read speed is measured and the next hit is chosen on it;
 - move: bytes/s of moving blocks read in (disk, peer) to the device (PrefixCache). On a
   Mac this is a copy within unified memory; on CUDA the driver's DMA from page-locked read
   buffers (kernels/cuda_upload.py), 7.9 GB/s on an H100 (3.4-4.8 from pageable memory).
@@ -80,7 +80,7 @@ class Costs:
         return restore
 
     def read_unmeasured(self) -> bool:
-        """Whether disk reads are predicted from the write speed alone (worth a sample read: `sample_read`)."""
+        """Whether disk reads are predicted from the write speed alone (worth a sample read: admission.py)."""
         return not self.disk_bps and bool(self.write_bps)
 
     def seed(self, speeds: Speeds) -> None:

@@ -113,8 +113,10 @@ class DiskClient:
             return [False] * len(keys)
         return found
 
-    def get_many(self, keys: list[bytes]) -> list[Optional[np.ndarray]]:
-        """Read and verify blocks; misses, bad and unreadable blocks are None."""
+    def get_many(self, keys: list[bytes], sample: bool = False) -> list[Optional[np.ndarray]]:
+        """Read and verify blocks; misses, bad and unreadable blocks are None. `sample`: a measurement of the
+        disk, not a hit (admission.py): ordinary memory (a first read would otherwise time the page-locked
+        buffers' making) and not counted as hits."""
         if not keys:
             return []
         opened = self._guarded(lambda: self.link.open_read(self.ns, keys, self.lookup_timeout_s), "read")
@@ -122,7 +124,7 @@ class DiskClient:
             return [None] * len(keys)
         lease, located = opened
         out, good, failed = [], [], []
-        alloc = self.buffers.take if self.buffers is not None else None
+        alloc = self.buffers.take if self.buffers is not None and not sample else None
         reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys, [alloc] * len(keys),
                                timeout=self.read_timeout_s)
         try:
@@ -135,7 +137,8 @@ class DiskClient:
                             self.on_disk.discard(key)
                 elif data is not None:
                     good.append(key)
-                self.counters["disk_hits" if data is not None else "disk_misses"] += 1
+                if not sample:
+                    self.counters["disk_hits" if data is not None else "disk_misses"] += 1
                 out.append(data)
         except ReadTimeout:  # the disk is too slow: what was not read in time is a miss (its pin expires)
             log.warning("disk reads took longer than %.1fs; the rest of this restore is a miss", self.read_timeout_s)
@@ -272,11 +275,14 @@ class DiskClient:
                 seconds = time.perf_counter() - t0
                 acked = [k for k, _ in items]
                 self.breaker.success()
-                if self.on_written is not None:
-                    self.on_written(sum(memoryview(a).nbytes for _, a in items), seconds)
             except Exception as e:  # the store is down or slow: these spills are lost, RAM keeps the blocks
                 log.warning("spill of %d blocks failed: %s", len(batch), e)
                 self.breaker.failure()
+            if acked and self.on_written is not None:
+                try:  # a measurement: it never fails a spill, nor stops this thread
+                    self.on_written(sum(a.nbytes for _, a in items), seconds)
+                except Exception:
+                    log.exception("reporting a spill's write speed failed")
         with self._cond:
             for key, arr in batch:
                 self._queued.discard(key)

@@ -8,6 +8,7 @@ import pytest
 from cluster.kernels import cuda_upload
 from cluster.kvcache import device_blocks
 from cluster.kvcache.admission import Admission
+from cluster.kvcache.costs import MIN_BYTES
 from cluster.store.hashing import chain_ids
 from cluster.store import arrays, block_format
 from tests.kvcache.conftest import forget_ram, prompt_of, ram_blocks
@@ -139,7 +140,8 @@ def test_a_recompute_chosen_on_the_write_speed_measures_the_read_off_the_request
     prompt = prompt_of(300)
     costs = on_disk_only(h, prompt, disk_bps=0.0, write_bps=1e3)  # no read yet; writes so slow any prefill wins
     reads, real_read = [], h.pc.tiers.disk.get_many
-    h.pc.tiers.disk.get_many = lambda keys: reads.append((threading.current_thread().name, len(keys))) or real_read(keys)
+    h.pc.tiers.disk.get_many = lambda keys, **kw: reads.append((threading.current_thread().name, len(keys))) or \
+        real_read(keys, **kw)
     admission = Admission(h.pc)
     cold_choice = admission.fetch(prompt)
     assert cold_choice.n == 0 and costs.choices == {"restore": 0, "recompute": 1}
@@ -268,17 +270,36 @@ def test_a_spill_from_a_device_copy_writes_the_same_envelopes(disk_harness):
     h.assert_same(h.warm(prompt), h.cold(prompt))
 
 
-def test_a_sample_read_takes_the_plans_first_blocks_up_to_its_bytes(disk_harness, monkeypatch):
+def test_a_sample_read_takes_the_plans_first_blocks_up_to_its_bytes_and_is_no_hit(disk_harness, monkeypatch):
     from cluster.kvcache import admission as admission_module
 
     h = disk_harness("tiny-dense")
     prompt = prompt_of(300)
     costs = on_disk_only(h, prompt, disk_bps=0.0, write_bps=1e3)
-    monkeypatch.setattr(admission_module, "SAMPLE_BYTES", 2 * h.pc.block_bytes)
+    few = -(-MIN_BYTES // h.pc.block_bytes)  # the fewest blocks whose read is measured
+    monkeypatch.setattr(admission_module, "SAMPLE_BYTES", few * h.pc.block_bytes)
     reads, real_read = [], h.pc.tiers.disk.get_many
-    h.pc.tiers.disk.get_many = lambda keys: reads.append(list(keys)) or real_read(keys)
+    h.pc.tiers.disk.get_many = lambda keys, **kw: reads.append((list(keys), kw)) or real_read(keys, **kw)
+    admission = Admission(h.pc)
+    hits = h.pc.tiers.disk.counters["disk_hits"]
+    assert admission.fetch(prompt).n == 0 and costs.choices == {"restore": 0, "recompute": 1}
+    with admission._sampling:
+        pass
+    assert reads == [(chain_ids(h.pc.namespace, prompt, h.B)[:few], {"sample": True})]
+    assert costs.disk_bps > 0 and h.pc.tiers.disk.counters["disk_hits"] == hits  # measured; not a hit
+
+
+def test_a_plan_too_small_to_measure_is_not_sampled(disk_harness, monkeypatch):
+    from cluster.kvcache import admission as admission_module
+
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    costs = on_disk_only(h, prompt, disk_bps=0.0, write_bps=1e3)
+    monkeypatch.setattr(admission_module, "MIN_BYTES", 1 << 40)  # no plan here reaches it
+    reads, real_read = [], h.pc.tiers.disk.get_many
+    h.pc.tiers.disk.get_many = lambda keys, **kw: reads.append(keys) or real_read(keys, **kw)
     admission = Admission(h.pc)
     assert admission.fetch(prompt).n == 0 and costs.choices == {"restore": 0, "recompute": 1}
     with admission._sampling:
         pass
-    assert reads == [chain_ids(h.pc.namespace, prompt, h.B)[:2]]
+    assert reads == [] and costs.read_unmeasured()
