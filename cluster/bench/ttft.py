@@ -64,7 +64,7 @@ from cluster.engine.request import GenerationParams
 from cluster.engine.schedule import on_gpu
 from cluster.engine.sequence import Sequence
 from cluster.bench.disk import drop_cache, read_bandwidth
-from cluster.kvcache.admission import Admission
+from cluster.kvcache.admission import SAMPLE_THREAD, Admission
 from cluster.kvcache.session import BlockSession
 from cluster.kvcache.store_link import LocalLink
 from cluster.kvcache.setup import setup_cache
@@ -184,7 +184,7 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
             drop_cache(files)
             chosen.append(first_token(model, tok, prompt, warm(fresh, prompt, admitted["chosen"])))
             for t in threading.enumerate():  # a recompute chosen on the write speed reads a sample: let it end
-                if t.name == "mlx-fleet-disk-sample":
+                if t.name == SAMPLE_THREAD:
                     t.join()
         cold, capture, ram = (statistics.median([r[0] for r in runs]) for runs in (colds, captures, rams))
         # The forced restores are the hit's cost; the chosen runs what the choice makes of it (never above cold

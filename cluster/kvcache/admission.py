@@ -60,6 +60,7 @@ ADMISSION_THREADS = 4  # a replica's (and a sharded replica's follower's) reads 
 # recompute 22% slower on an H100). A plan with less than costs.MIN_BYTES on the disk is not sampled: a
 # transfer that small would not be measured.
 SAMPLE_BYTES = 256 << 20
+SAMPLE_THREAD = "mlx-fleet-disk-sample"
 
 
 class FetchPlan(Protocol):
@@ -216,18 +217,23 @@ class Admission:
 
         def run():
             try:
-                t0 = time.perf_counter()
-                read = pc.tiers.disk.get_many(keys, sample=True)
-                pc.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)
+                self._read_disk(keys, sample=True)
             except Exception:  # a measurement: never a failure anyone sees
                 log.exception("sample read of the disk failed")
             finally:
                 self._sampling.release()
 
         try:
-            threading.Thread(target=run, name="mlx-fleet-disk-sample", daemon=True).start()
+            threading.Thread(target=run, name=SAMPLE_THREAD, daemon=True).start()
         except RuntimeError:  # no thread to be had: no sample this time, and the next may try
             self._sampling.release()
+
+    def _read_disk(self, keys: list[bytes], sample: bool = False) -> list:
+        """Read `keys` from the disk (DiskClient.get_many) and fold the read's speed into the cost model."""
+        t0 = time.perf_counter()
+        read = self.cache.tiers.disk.get_many(keys, sample=sample)
+        self.cache.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)
+        return read
 
     def _pull(self, plan: FetchPlan, ids: list[bytes], have: int, blocks: dict) -> int:
         """Pull blocks [have, plan.end_block) (and its checkpoint) from the peer; keep what verifies.
@@ -293,9 +299,7 @@ class Admission:
         if tiers.disk is not None:
             tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too (queued: no store call here)
             if missing and disk:
-                t0 = time.perf_counter()
-                read = tiers.disk.get_many([keys[i] for i in missing])
-                pc.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)
+                read = self._read_disk([keys[i] for i in missing])
                 for i, data in zip(missing, read):
                     if data is not None:
                         datas[i] = data

@@ -23,9 +23,9 @@ The speeds are moving averages of what this replica measured itself:
   buffers (kernels/cuda_upload.py), 7.9 GB/s on an H100 (3.4-4.8 from pageable memory).
   Until measured, the RAM speed stands in.
 A speed not measured yet (and no write speed for the disk) predicts nothing: the hit
-is taken (it is the likelier win, and taking it measures the speed). The replica saves what it measured on the
-node and a restart starts from it (speeds.py). Both sides of the comparison share the
-prompt's last forward, so it is left out of both.
+is taken (it is the likelier win, and taking it measures the speed). The replica saves
+what it measured on the node and a restart starts from it (speeds.py). Both sides of
+the comparison share the prompt's last forward, so it is left out of both.
 """
 
 from __future__ import annotations
