@@ -23,9 +23,9 @@ Restore or recompute: before reading, the plan's bytes by tier and the tokens
 it saves are weighed against recomputing them, with the replica's own measured
 speeds (costs.py); when recomputing is predicted faster, the prompt is
 prefilled cold. Where that prediction read the disk at the spills' write speed
-(no read measured yet), the plan's first disk blocks (about SAMPLE_BYTES) are read
-in the background, off the request's path, so the next choice has a measured read
-speed.
+(no read measured yet) or on a stale read speed (costs.RESAMPLE_S), the plan's first
+disk blocks (about SAMPLE_BYTES) are read in the background, off the request's path,
+so the next choice has a measured, recent read speed.
 
 Bounds: each store call has its own timeout and goes through a circuit breaker
 (disk_client.py), a pull has its deadline, and the whole stage has one
@@ -200,11 +200,11 @@ class Admission:
         return pc.costs.restore_pays(prompt_len, n, ram, disk)
 
     def _sample_read(self, reads: list[tuple[str, int, bytes]]) -> None:
-        """After a recompute chosen with the disk's read speed unmeasured (the write speed stood in): read the
+        """After a recompute chosen with the disk's read speed unmeasured (the write speed stood in) or stale: read the
         plan's first disk blocks (SAMPLE_BYTES) on a thread of their own, off this request's path, and measure
         the read. One at a time; the bytes are let go (the request is already prefilling cold)."""
         pc = self.cache
-        if pc.tiers.disk is None or not pc.costs.read_unmeasured():
+        if pc.tiers.disk is None or not pc.costs.read_worth_sampling():
             return
         size = {"kv": pc.block_bytes, "state": pc.shapes.state_bytes}
         keys, nbytes = [], 0

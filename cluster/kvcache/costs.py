@@ -17,7 +17,11 @@ The speeds are moving averages of what this replica measured itself:
   is not taken where even a read at the write's speed loses to recomputing (on the
   H100 it took 1.0 s against a cold prefill's 0.3). A recompute chosen on that stand-in
   also has its first disk blocks read in the background (Admission._sample_read), off
-  the request's path, so the read speed is measured and the next hit is chosen on it;
+  the request's path, so the read speed is measured and the next hit is chosen on it.
+  A measured read speed goes stale (RESAMPLE_S): one taken while the disk was busy (a
+  spill's writeback) or saved before a restart could keep every later disk hit
+  recomputed, and so never measured again. A recompute chosen on a stale read speed
+  samples the disk again the same way;
 - move: bytes/s of moving blocks read in (disk, peer) to the device (PrefixCache). On a
   Mac this is a copy within unified memory; on CUDA the driver's DMA from page-locked read
   buffers (kernels/cuda_upload.py), 7.9 GB/s on an H100 (3.4-4.8 from pageable memory).
@@ -31,6 +35,7 @@ the comparison share the prompt's last forward, so it is left out of both.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +43,10 @@ from cluster.kvcache.speeds import Speeds
 
 EMA = 0.3
 MIN_BYTES = 1 << 20  # a smaller transfer says more about fixed overheads than about bandwidth
+# A disk read speed older than this is checked again by the next recompute that a disk plan lost to: often
+# enough that a speed measured on a busy disk does not keep hits away for long, rarely enough that the sample
+# reads (admission.SAMPLE_BYTES, a fraction of a second) cost nothing that matters.
+RESAMPLE_S = 60.0
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Costs:
     disk_bps: float = 0.0
     move_bps: float = 0.0
     write_bps: float = 0.0
+    read_at: float = 0.0  # time.monotonic() of the last disk read measured in this process (0: none yet)
     choices: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -58,6 +68,8 @@ class Costs:
         with self._lock:
             old = getattr(self, f"{tier}_bps")
             setattr(self, f"{tier}_bps", bps if not old else (1 - EMA) * old + EMA * bps)
+            if tier == "disk":
+                self.read_at = time.monotonic()
 
     def predict(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> tuple[float, float] | None:
         """(seconds to restore n tokens and prefill the rest, seconds to prefill it all), or None when a
@@ -79,9 +91,13 @@ class Costs:
             self.choices["restore" if restore else "recompute"] += 1
         return restore
 
-    def read_unmeasured(self) -> bool:
-        """Whether disk reads are predicted from the write speed alone (worth a sample read: admission.py)."""
-        return not self.disk_bps and bool(self.write_bps)
+    def read_worth_sampling(self) -> bool:
+        """Whether a disk plan that lost to recomputing should have its read sampled (admission.py): reads are
+        predicted from the write speed alone, or from a read speed not measured in this process within
+        RESAMPLE_S (one seeded from before a restart is stale at once)."""
+        if not self.disk_bps:
+            return bool(self.write_bps)
+        return time.monotonic() - self.read_at > RESAMPLE_S if self.read_at else True
 
     def seed(self, speeds: Speeds) -> None:
         """Start from speeds measured before (a restart): later measurements average into them."""

@@ -49,11 +49,30 @@ def test_speeds_are_moving_averages_of_big_enough_transfers():
 
 def test_until_a_read_is_measured_the_spills_write_speed_stands_in_for_it():
     c = costs(tps=25_000.0, ram=250e9, disk=0.0)  # the H100's 8B: a first disk hit took 1.0 s against cold's 0.3
-    assert c.predict(8192, 7680, 0, int(1.2e9)) is None and not c.read_unmeasured()  # nothing to go by: taken
+    assert c.predict(8192, 7680, 0, int(1.2e9)) is None and not c.read_worth_sampling()  # nothing to go by: taken
     c.observe("write", int(1.2e9), 1.2)
     restore, cold = c.predict(8192, 7680, 0, int(1.2e9))
     assert restore == 1.2e9 / 1e9 + 1.2e9 / 250e9 + 512 / 25_000 and restore > cold
-    assert c.read_unmeasured() and not c.restore_pays(8192, 7680, 0, int(1.2e9))
+    assert c.read_worth_sampling() and not c.restore_pays(8192, 7680, 0, int(1.2e9))
     c.observe("disk", int(1.2e9), 0.4)  # the read, once measured, decides
-    assert not c.read_unmeasured() and c.predict(8192, 7680, 0, int(1.2e9))[0] == 1.2e9 / 3e9 + 1.2e9 / 250e9 + 512 / 25_000
+    assert not c.read_worth_sampling() and c.predict(8192, 7680, 0, int(1.2e9))[0] == 1.2e9 / 3e9 + 1.2e9 / 250e9 + 512 / 25_000
     assert c.stats()["write_gbps"] == 1.0
+
+
+def test_a_read_speed_goes_stale_and_one_from_before_a_restart_is_stale_at_once(monkeypatch):
+    from cluster.kvcache import costs as costs_module
+    from cluster.kvcache.speeds import Speeds
+
+    now = [1000.0]
+    monkeypatch.setattr(costs_module.time, "monotonic", lambda: now[0])
+    c = Costs()
+    c.seed(Speeds(namespace="00", disk_bps=0.3e9, write_bps=1e9))  # saved by the process before
+    assert c.read_at == 0.0 and c.read_worth_sampling()
+    c.observe("disk", GB, 0.5)
+    assert c.read_at == 1000.0 and not c.read_worth_sampling()
+    now[0] += costs_module.RESAMPLE_S
+    assert not c.read_worth_sampling()
+    now[0] += 1
+    assert c.read_worth_sampling()
+    c.observe("write", GB, 1.0)  # a write is no read
+    assert c.read_worth_sampling()

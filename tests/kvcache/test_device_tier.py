@@ -2,6 +2,7 @@
 the model thread, and the restore-or-recompute choice follows the predicted costs."""
 
 import threading
+import time
 
 import pytest
 
@@ -112,11 +113,12 @@ def test_a_spill_never_blocks_the_model_thread(disk_harness, monkeypatch):
 
 def on_disk_only(h, prompt, disk_bps: float, write_bps: float = 0.0):
     """The prompt's blocks on the disk alone, and the replica's speeds: a fast RAM, a very fast prefill, and
-    the disk's read and write speeds given."""
+    the disk's read and write speeds given (a read speed as if measured just now)."""
     h.warm(prompt, max_tokens=2)
     forget_ram(h)
     costs = h.pc.costs
     costs.ram_bps, costs.disk_bps, costs.write_bps = 1e9, disk_bps, write_bps
+    costs.read_at = time.monotonic() if disk_bps else 0.0
     costs.prefill_tps = lambda: 1e6
     return costs
 
@@ -147,12 +149,32 @@ def test_a_recompute_chosen_on_the_write_speed_measures_the_read_off_the_request
     assert cold_choice.n == 0 and costs.choices == {"restore": 0, "recompute": 1}
     with admission._sampling:  # the sample read has ended
         pass
-    assert [t for t, _ in reads] == ["mlx-fleet-disk-sample"] and costs.disk_bps > 1e3 and not costs.read_unmeasured()
+    assert [t for t, _ in reads] == ["mlx-fleet-disk-sample"] and costs.disk_bps > 1e3 and not costs.read_worth_sampling()
     costs.prefill_tps = lambda: 1e3  # the measured read decides now: against a slow prefill, restore
     hit = admission.fetch(prompt)
     assert hit.n > 0 and costs.choices == {"restore": 1, "recompute": 1}
     assert [t for t, _ in reads] == ["mlx-fleet-disk-sample", threading.current_thread().name]
     assert reads[0][1] == reads[1][1]  # the whole plan, under SAMPLE_BYTES
+
+
+def test_a_read_speed_gone_stale_is_measured_again_by_the_next_recompute(disk_harness):
+    from cluster.kvcache import costs as costs_module
+
+    h = disk_harness("tiny-dense")
+    prompt = prompt_of(300)
+    costs = on_disk_only(h, prompt, disk_bps=1e3)  # measured on a busy disk: every disk plan loses to a recompute
+    reads, real_read = [], h.pc.tiers.disk.get_many
+    h.pc.tiers.disk.get_many = lambda keys, **kw: reads.append(kw) or real_read(keys, **kw)
+    admission = Admission(h.pc)
+    assert admission.fetch(prompt).n == 0 and reads == []  # recent: trusted
+    costs.read_at -= costs_module.RESAMPLE_S + 1
+    assert costs.read_worth_sampling()
+    assert admission.fetch(prompt).n == 0 and costs.choices == {"restore": 0, "recompute": 2}
+    with admission._sampling:
+        pass
+    assert reads == [{"sample": True}] and costs.disk_bps > 1e3 and not costs.read_worth_sampling()
+    costs.prefill_tps = lambda: 1e3  # against a slow prefill the re-measured disk restores
+    assert admission.fetch(prompt).n > 0 and costs.choices == {"restore": 1, "recompute": 2}
 
 
 @pytest.mark.parametrize("few_launches", [False, True])  # the CPU's way (one copy per byte) and a GPU's
@@ -302,4 +324,4 @@ def test_a_plan_too_small_to_measure_is_not_sampled(disk_harness, monkeypatch):
     assert admission.fetch(prompt).n == 0 and costs.choices == {"restore": 0, "recompute": 1}
     with admission._sampling:
         pass
-    assert reads == [] and costs.read_unmeasured()
+    assert reads == [] and costs.read_worth_sampling()
