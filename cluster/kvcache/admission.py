@@ -107,10 +107,12 @@ class Admission:
         hit = self._leading(want)
         blocks: dict = {}
         own, pulled_from = hit, None
+        pulled_end = hit  # blocks [own, pulled_end) came from the peer
         if pull is not None and self.peers is not None and pull.end_block > hit:
             got = self._pull(pull, ids, hit, blocks)
             if got:  # held here now (a device tier gets them on restore): what follows may be local too
-                hit, pulled_from = hit + got, pull.peer
+                hit = pulled_end = hit + got
+                pulled_from = pull.peer
                 hit += self._leading(want[hit:]) if hit < len(want) else 0
         checkpoints = self._checkpoints(ids, len(prompt), hit, blocks)
         tail = pc.tail_for(prompt, ids)
@@ -133,7 +135,9 @@ class Admission:
             if not bad:
                 if tail is not None:
                     pc.tiers.ram.get(tail.id)  # a use: counted, and fresh in the LRU order
-                fetched = max(0, n - own * pc.B) if pulled_from else 0
+                # The peer's tokens only: blocks after the pulled ones may be this node's own (a concurrent
+                # request may have stored them since the first lookup).
+                fetched = max(0, min(n, pulled_end * pc.B) - own * pc.B) if pulled_from else 0
                 return Prefetch(ids=ids, n=n, blocks={k: blocks[k] for _, _, k in reads},
                                 from_ram=sources["ram"], from_disk=sources["disk"], fetched=fetched,
                                 fetched_from=pulled_from if fetched else None, tail=tail)

@@ -208,6 +208,29 @@ def test_a_corrupt_block_on_the_peer_is_caught_and_the_answer_is_still_exact(nod
     b.h.assert_same(warm, b.h.cold(prompt))
 
 
+def test_only_the_peers_blocks_count_as_fetched_when_the_rest_is_local(node):
+    """B holds the prompt's blocks from 2 on (a request of its own stored them while this one was admitted),
+    A's block 2 is corrupt: the pull brings blocks 0 and 1, B's own follow, and only the pulled 2 blocks are
+    the peer's."""
+    a, b = node("tiny-dense", "A"), node("tiny-dense", "B")
+    prompt = prompt_of(260)
+    a.h.warm(prompt, max_tokens=2)
+    a.settle()
+    b.h.warm(prompt, max_tokens=2)
+    assert b.h.pc.tiers.disk.flush(30)
+    ids = chain_ids(b.h.pc.namespace, prompt, B)
+    for key in ids[:2]:
+        b.h.pc.tiers.discard(key, "test")
+    path = a.h.store.path(a.h.pc.namespace, ids[2])
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 8
+    path.write_bytes(bytes(data))
+    prefetch, _ = pull(b, prompt, a, a.holding(prompt)["A"])
+    assert prefetch.n >= 8 * B and (prefetch.fetched, prefetch.fetched_from) == (2 * B, "A")
+    warm = b.h.run_with(prompt, BlockSession(b.h.pc, list(prompt), prefetch))
+    b.h.assert_same(warm, b.h.cold(prompt))
+
+
 def test_a_restarted_node_announces_what_its_disk_holds(node, disk_harness, redis_url, tmp_path):
     a = node("tiny-dense", "A")
     prompt = prompt_of(200)
