@@ -120,7 +120,7 @@ def _hot_path_line(cache: dict) -> str:
             f"hit {cache.get('tail_hits', 0)}, chose restore {choices.get('restore', 0)} recompute "
             f"{choices.get('recompute', 0)} (prefill {costs.get('prefill_tps', 0)} tok/s, ram "
             f"{costs.get('ram_gbps', 0)} GB/s, disk {costs.get('disk_gbps', 0)} GB/s, "
-            f"to the device {costs.get('move_gbps', 0)} GB/s)"
+            f"to the device {costs.get('move_gbps', 0)} GB/s, spill writes {costs.get('write_gbps', 0)} GB/s)"
             + (f", spill backlog {backlog['blocks']} blocks {backlog['bytes'] / 2**20:.1f} MiB" if backlog else ""))
 
 

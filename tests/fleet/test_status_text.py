@@ -91,7 +91,7 @@ def test_tier_lines_say_what_their_counters_count():
         "stored 9 blocks 0 checkpoints, corrupt 0, spill queued 0 spilled 9 dropped 0")
     assert lines[lines.index("replicas:") + 4] == (
         "      ram holds -, tails stored 0 hit 0, chose restore 0 recompute 0 (prefill 0 tok/s, ram 0 GB/s, disk 0 GB/s, "
-        "to the device 0 GB/s)")
+        "to the device 0 GB/s, spill writes 0 GB/s)")
     assert "index 18 entries (a block or checkpoint once per node and tier holding it)" in lines[lines.index("fleet:") + 2]
 
 
@@ -100,13 +100,13 @@ def test_the_hot_path_line_says_what_ram_holds_and_what_was_chosen():
              "tails_stored": 3, "tail_hits": 2,
              "ram": {"blocks": 9, "bytes": 3 << 20, "budget": 2 << 30, "hits": 12, "misses": 2, "evictions": 0,
                      "holds": "device arrays"},
-             "costs": {"prefill_tps": 23000.5, "ram_gbps": 810.2, "disk_gbps": 2.1, "move_gbps": 1.4,
+             "costs": {"prefill_tps": 23000.5, "ram_gbps": 810.2, "disk_gbps": 2.1, "move_gbps": 1.4, "write_gbps": 0.9,
                        "choices": {"restore": 5, "recompute": 1}},
              "spill_backlog": {"blocks": 4, "bytes": 6 << 20}}
     lines = render(status(replica(cache=cache))).splitlines()
     assert lines[lines.index("replicas:") + 4] == (
         "      ram holds device arrays, tails stored 3 hit 2, chose restore 5 recompute 1 (prefill 23000.5 tok/s, "
-        "ram 810.2 GB/s, disk 2.1 GB/s, to the device 1.4 GB/s), spill backlog 4 blocks 6.0 MiB")
+        "ram 810.2 GB/s, disk 2.1 GB/s, to the device 1.4 GB/s, spill writes 0.9 GB/s), spill backlog 4 blocks 6.0 MiB")
 
 
 def test_a_broken_replica_says_why_it_serves_no_more():
