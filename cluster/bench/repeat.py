@@ -1,7 +1,7 @@
 """Does the backend repeat a cold run bit for bit? The same prompt cold, several times in one process.
 
     mlx-fleet bench repeat [--model tiny-swa] [--dtype bfloat16] [--tokens 250] [--max-tokens 12]
-                           [--runs 8] [--json out.json]
+                           [--runs 8] [--variants stock,contiguous,ops] [--json out.json]
 
 A cached answer can only be bitwise the cold one where the cold run is bitwise itself. On the CPU it is.
 On MLX's CUDA backend a bf16 decode of the tiny sliding-window model past position 256 was not, in one
@@ -109,12 +109,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--resume-at", default="chunk", choices=["auto", "chunk", "block"], help="the prefill schedule")
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per block (the schedule's unit)")
     p.add_argument("--prefill-step", type=int, default=64, help="prefill chunk tokens")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"decode-attention paths, comma-separated, of {VARIANTS}")
     a = p.parse_args(argv)
+    variants = tuple(v for v in a.variants.split(",") if v)
+    if not variants or set(variants) - set(VARIANTS):
+        p.error(f"--variants: each of {VARIANTS}, comma-separated; got {a.variants!r}")
     import mlx.core as mx
 
     model, tok, path = load(a.model, a.data_dir)
     model.set_dtype(getattr(mx, a.dtype))
-    r = measure(model, tok, path, a.tokens, a.max_tokens, a.runs, a.resume_at, a.block_tokens, a.prefill_step)
+    r = measure(model, tok, path, a.tokens, a.max_tokens, a.runs, a.resume_at, a.block_tokens, a.prefill_step,
+                variants)
     for variant, v in r["variants"].items():
         print(f"{a.model} {a.dtype}, {a.tokens} tokens, decode attention {variant}: distinct logit rows per step over "
               f"{a.runs} runs {v['distinct_per_step']}; first varying step {v['first_varying_step']}; largest "
