@@ -9,7 +9,8 @@ replica). Sources, and what happens when one is away:
 - replicas: their Redis leases; with Redis away, Serve's own replica counts
   (`replicas_source: "serve"`), so status never says "0 replicas" while they serve;
 - redis: reachable or not, its error, and for a local fleet how often the
-  supervisor restarted it. No URL is ever shown with its password.
+  supervisor restarted it, and whether that supervisor still runs (if it died,
+  a Redis crash would stay down). No URL is ever shown with its password.
 """
 
 from __future__ import annotations
@@ -217,4 +218,18 @@ def _supervised(data_dir: Optional[str]) -> dict:
         return {}
     r = known["redis"]
     return {"supervised": True, "running": r.get("running"), "restarts": r.get("restarts", 0),
-            "last_restart": r.get("last_restart")}
+            "last_restart": r.get("last_restart"), "supervisor_running": _running(known.get("pid"), known.get("create_time"))}
+
+
+def _running(pid, create_time) -> Optional[bool]:
+    """Whether the process `pid` made at `create_time` (psutil's, epoch seconds) still runs: the time tells a
+    reused pid apart. None: the file does not say (a supervisor from before it did)."""
+    import psutil
+
+    if not isinstance(pid, int) or not isinstance(create_time, (int, float)):
+        return None
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - create_time) < 0.5 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False

@@ -73,6 +73,9 @@ def _age(replica: dict) -> str:
 def _redis_line(redis: dict) -> str:
     state = "reachable" if redis.get("reachable") else f"UNREACHABLE ({redis.get('error') or '-'})"
     restarts = f", restarted {redis['restarts']} time(s) by the supervisor" if redis.get("supervised") else ""
+    if redis.get("supervised") and redis.get("supervisor_running") is False:
+        restarts += (", but the supervisor is NOT running: a Redis that stops stays down "
+                     "(`mlx-fleet down`, then `up`, starts a new one)")
     return f"redis:     {redis.get('url') or '-'} {state}{restarts}"
 
 

@@ -8,7 +8,7 @@ fleet uses an external one) and restarts it whenever it dies - on the same
 port, so every client reconnects by itself - logging and counting each
 restart. What it knows goes to `<data_dir>/supervisor.json` for `status`:
 
-    {"pid", "started", "redis": {"url" (redacted), "pid", "port", "running", "restarts", "last_restart"}}
+    {"pid", "create_time", "started", "redis": {"url" (redacted), "pid", "port", "running", "restarts", "last_restart"}}
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+
+import psutil
 
 from cluster.fleet import redis_server
 from cluster.ports import free_port
@@ -54,7 +56,9 @@ class Supervisor:
         self.proc = None
         self.port: Optional[int] = None
         self.secret = redis_server.password(self.redis_dir) if own_redis else None
-        self.state = {"pid": os.getpid(), "started": time.time(), "redis": None}
+        # create_time: with the pid, which process this is (status tells a dead supervisor from a reused pid)
+        self.state = {"pid": os.getpid(), "create_time": psutil.Process().create_time(), "started": time.time(),
+                      "redis": None}
 
     def run(self) -> None:
         if self.own_redis:

@@ -182,6 +182,7 @@ def test_a_dead_redis_is_restarted_logged_and_counted(ops, headers):
             break
         time.sleep(0.5)
     assert status["redis"]["reachable"] and status["redis"]["restarts"] == 1 and len(status["replicas"]) == 2
+    assert status["redis"]["supervisor_running"] is True
     r = httpx.post(f"{fleet.url}/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 2},
                    headers=headers, timeout=60)
     assert r.status_code == 200
