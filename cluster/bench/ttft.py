@@ -18,8 +18,8 @@ Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy), each figure 
             On CUDA one untimed disk restore comes first: a replica's first disk hit makes
             its page-locked read buffers, later ones reuse them (`read_buffers_warmed_s`
             is that hit's time).
-- chosen:   the same again, with the speeds the capturing replica measured (its RAM let
-            the blocks go; it did not restart): where recomputing is predicted faster it
+- chosen:   the same again, in one replica whose RAM tier lets its blocks go before each
+            run, with the speeds the capturing replica measured (it did not restart): where recomputing is predicted faster it
             recomputes (costs.py; until a read is measured, the spills' write speed stands
             in, and such a recompute reads a sample in the background). `choices` counts what
             was chosen, `disk_recompute_s` is the median of the chosen runs that recomputed,
@@ -178,11 +178,14 @@ def measure(name: str, data_dir: Path, tokens: int, block_tokens: int, loaded=No
             disks.append(first_token(model, tok, prompt, warm(replica(schedule=schedule), prompt, admitted["disk"]),
                                      logits if not i else None))
         chosen = []
+        chooser = replica(schedule=schedule)  # one replica, as a serving one is: its allocator warms up
+        chooser.costs = costs
         for i in range(repeat):  # what the replica chooses, with the speeds it measured (costs.py)
-            fresh = replica(schedule=schedule)  # empty RAM
-            fresh.costs = costs
+            assert chooser.tiers.disk.flush(600)
+            for key in chooser.tiers.ram.keys():  # what its last run restored or captured: only the disk has it
+                chooser.tiers.ram.discard(key)
             drop_cache(files)
-            chosen.append(first_token(model, tok, prompt, warm(fresh, prompt, admitted["chosen"])))
+            chosen.append(first_token(model, tok, prompt, warm(chooser, prompt, admitted["chosen"])))
             for t in threading.enumerate():  # a recompute chosen on the write speed reads a sample: let it end
                 if t.name == SAMPLE_THREAD:
                     t.join()
