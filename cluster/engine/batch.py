@@ -196,7 +196,8 @@ class DecodeBatch:
             with invariant.decoding(self.fixed_rows):
                 logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
         else:
-            logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+            with invariant.one_query():  # on CUDA, attention in a kernel that repeats itself (invariant.py)
+                logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
         for i, s in enumerate(rows):
             if s.params.record_logits:
                 s.logits.append(logits[i])

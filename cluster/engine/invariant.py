@@ -34,7 +34,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from cluster.engine.invariant_attention import attention, rows_of
+from cluster.engine.invariant_attention import attention, batched, rows_of, supports
 
 _state = threading.local()
 
@@ -66,6 +66,42 @@ def prepare(model: nn.Module) -> None:
         if padded is not None:
             module.__class__ = padded
     _patch_attention()
+
+
+# -- exact decode attention (the default on CUDA) ------------------------------------------------
+_one_query = False  # route one-query forwards' attention to the kernel (exact_decode_attention)
+
+
+def exact_decode_attention(on: bool = True) -> None:
+    """Route the attention of every one-query forward (a decode step, and a prompt's last token, which the
+    engine runs alone) to the kernel, inside `one_query()`.
+
+    The default on MLX's CUDA backend (models/loading.py), because there MLX sends such a step to cuDNN once
+    256 keys are held in a KV cache's buffer (a slice of a buffer of 256 * k tokens, as mlx-lm's caches
+    grow), and cuDNN's decode does not repeat itself bit for bit: in bf16 a cold run parted from itself by
+    a ulp at the step that reached 256 keys, in one process, while MLX's vector kernel and plain ops
+    repeated (docs/gpu.md, the twelfth session). A cached answer can only be bitwise the cold one where the
+    cold one is bitwise itself. The kernel's sums follow the keys' logical order alone, so a row's result is
+    also the same whatever its buffer's capacity or its window's rotation."""
+    global _one_query
+    _one_query = on
+    if on:
+        _patch_attention()
+
+
+def routes_one_query() -> bool:
+    return _one_query
+
+
+@contextmanager
+def one_query():
+    """A forward of one query per row: inside it, attention goes to the kernel where `exact_decode_attention`
+    is on (a no-op otherwise, and inside a `decoding()` step, which routes already)."""
+    if not _one_query or _on():
+        yield
+        return
+    with decoding(0):
+        yield
 
 
 @contextmanager
@@ -148,9 +184,11 @@ def _patch_attention() -> None:
     original = getattr(base.scaled_dot_product_attention, "_mlx_fleet_original", base.scaled_dot_product_attention)
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if _on() and queries.shape[2] == 1 and sinks is None:
+        if _on() and queries.shape[2] == 1 and sinks is None and supports(queries, keys, values):
             kv = _state.kv
             geometry = rows_of(cache, keys) if cache is not None else kv.get(id(keys), (None, None))[1]
+            if geometry is not None and cache is not None and isinstance(mask, mx.array) and not batched(cache):
+                geometry = None  # one sequence's cache with a mask array: not the kernel's (it masks by count alone)
             if geometry is not None:
                 kv[id(keys)] = (keys, geometry)  # a KV-shared layer (gemma4) passes these keys on, without a cache
                 return attention(queries, keys, values, scale, *geometry)

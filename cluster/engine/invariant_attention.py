@@ -179,13 +179,33 @@ def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, sca
     return mx.concatenate(out)
 
 
-def rows_of(cache, keys: mx.array):
-    """(count, end) of a batched cache just updated: each row's number of keys, and where the newest
-    ends. None for a cache this does not know (its attention then stays mlx-lm's)."""
+def supports(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether `attention` takes these shapes (one query per row, a head dim the warps cover, grouped heads)."""
+    return (queries.shape[2] == 1 and values.shape[-1] == queries.shape[-1] <= 32 * WARPS
+            and queries.shape[1] % keys.shape[1] == 0)
+
+
+def batched(cache) -> bool:
+    """A batch's cache (left-padded rows, each masked by its count), not one sequence's."""
     from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+    return isinstance(cache, (BatchKVCache, BatchRotatingKVCache))
+
+
+def rows_of(cache, keys: mx.array):
+    """(count, end) of a cache just updated, batched or one sequence's: each row's number of keys, and where
+    the newest ends. None for a cache this does not know (its attention then stays mlx-lm's)."""
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
     if isinstance(cache, BatchKVCache):
         return cache.offset, cache._idx
     if isinstance(cache, BatchRotatingKVCache):
         return mx.minimum(cache.offset, keys.shape[2]), cache._idx
+    R = keys.shape[2]
+    if type(cache) is KVCache:  # keys[..., :offset]: in order, the newest last
+        return mx.full((keys.shape[0],), R, mx.int32), R
+    if type(cache) is RotatingKVCache and cache.keep == 0:
+        # A slice of the buffer ([:offset], before the ring first wraps) is in order; the whole ring holds
+        # the newest key at _idx - 1
+        return mx.full((keys.shape[0],), R, mx.int32), (R if R < cache.keys.shape[2] else cache._idx)
     return None

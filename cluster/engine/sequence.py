@@ -23,7 +23,7 @@ from typing import Optional, Protocol
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-from cluster.engine import model_thread
+from cluster.engine import invariant, model_thread
 from cluster.engine.constraints import Unservable, tool_call_grammar
 from cluster.engine.events import Delta, Event, Finished, Started
 from cluster.engine.request import GenerationParams
@@ -177,7 +177,8 @@ class Sequence:
     def _forward(self, token) -> tuple[mx.array, Optional[LogprobsPending]]:
         """Feed one token (int or lazy [1] array); return the lazily sampled next token and its logprobs."""
         inputs = mx.array([token]) if isinstance(token, int) else token
-        logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
+        with invariant.one_query():  # on CUDA, attention in a kernel that repeats itself (invariant.py)
+            logits = self.model(inputs[None], cache=self.cache)[:, -1, :]
         if self.params.record_logits:
             self.logits.append(logits[0])
         y, logprobs = self.picker.pick(inputs, logits)

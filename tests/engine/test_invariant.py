@@ -149,3 +149,45 @@ def test_a_step_over_the_fixed_rows_is_refused_and_fewer_rows_are_padded(prepare
         assert invariant._rows() == 0  # the step's state ends with it
         return y.shape, mx.allclose(y, nn.Linear.__call__(linear, x), atol=1e-6).item()
     assert prepared("tiny-dense", "float32")[2].run(run) == ((3, 1, 4), True)
+
+
+@pytest.fixture
+def one_query_routed(monkeypatch):
+    """exact_decode_attention on, as models/loading.py turns it on for MLX's CUDA backend, here on the CPU
+    (where the kernel's place is taken by its per-row reference); the attention calls it routed are listed."""
+    calls = []
+    real = invariant.attention
+    monkeypatch.setattr(invariant, "attention", lambda q, *a: calls.append(q.shape) or real(q, *a))
+    invariant.exact_decode_attention(True)
+    yield calls
+    invariant.exact_decode_attention(False)
+
+
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-swa", "tiny-gemma4"])  # full, rotating, KV-shared layers
+def test_exact_decode_attention_routes_every_one_query_forward_and_a_hit_stays_bitwise_cold(
+        load_builtin, data_dir, tmp_path, one_query_routed, name):
+    """A prompt's last token and every decode step attend in the kernel (each attention layer, each step);
+    prefill chunks stay mlx-lm's; a cached answer is bitwise the cold one, and the same tokens as unrouted."""
+    from tests.kvcache.conftest import Harness, prompt_of as long_prompt
+
+    model, tok = load_builtin(name)
+    scheduler = Scheduler(name="mlx-fleet-test")  # all of it on a model thread, as a replica runs it
+
+    def go():
+        h = Harness(model, tok, resolve_model(name, data_dir), tmp_path, block_tokens=32, prefill_step=64,
+                    resume_at="chunk")
+        prompt = long_prompt(250)
+        cold = h.cold(prompt, max_tokens=12)
+        routed = list(one_query_routed)
+        h.warm(prompt[:170], max_tokens=4)
+        warm = h.warm(prompt)
+        h.assert_same(warm, cold)
+        invariant.exact_decode_attention(False)
+        return routed, warm.cached, cold.tokens, h.cold(prompt, max_tokens=12).tokens
+    try:
+        routed, cached, tokens, unrouted = scheduler.run(go)
+    finally:
+        scheduler.stop()
+    layers = len(model.layers)  # attention calls per forward: KV-shared layers (tiny-gemma4's last 2) included
+    assert len(routed) == 12 * layers and {s[2] for s in routed} == {1}
+    assert cached == 128 and unrouted == tokens  # the same answer as mlx-lm's attention gives
