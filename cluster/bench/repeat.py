@@ -19,8 +19,8 @@ runs, and against the stock runs (on a GPU not 0 where the variant changed the k
 contiguous one runs the same kernel, and the ops one too in float32).
 No goal: a diagnosis of the backend. Its finding (docs/gpu.md, the twelfth session): cuDNN's decode path,
 which MLX takes once 256 keys sit in a KV cache's buffer, does not repeat; since, one-query attention runs in
-the project's own kernel on CUDA (engine/invariant.py, `exact_decode_attention`), so there "stock" is that
-kernel, and this bench checks that it repeats.
+the project's own kernel on CUDA (engine/invariant.py, `exact_decode_attention`), so there "stock" (and
+"contiguous", which hands its copies to it) is that kernel, and this bench checks that it repeats.
 """
 
 from __future__ import annotations

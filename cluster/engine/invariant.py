@@ -73,8 +73,9 @@ _one_query = False  # route one-query forwards' attention to the kernel (exact_d
 
 
 def exact_decode_attention(on: bool = True) -> None:
-    """Route the attention of every one-query forward (a decode step, and a prompt's last token, which the
-    engine runs alone) to the kernel, inside `one_query()`.
+    """Route the attention of every one-query forward (a decode step, a prompt's last token, which the engine
+    runs alone, and a one-token prefill chunk) to the kernel, inside `one_query()`, where the kernel takes the
+    shapes (head dims up to 256; a wider one, gemma4's 512-wide global layers, stays MLX's).
 
     The default on MLX's CUDA backend (models/loading.py), because there MLX sends such a step to cuDNN once
     256 keys are held in a KV cache's buffer (a slice of a buffer of 256 * k tokens, as mlx-lm's caches
@@ -87,6 +88,9 @@ def exact_decode_attention(on: bool = True) -> None:
     _one_query = on
     if on:
         _patch_attention()
+
+
+EXACT_DECODE_VERSION = "invariant-decode-attention/1"  # in the cache fingerprint where it is in effect
 
 
 def routes_one_query() -> bool:
@@ -187,8 +191,11 @@ def _patch_attention() -> None:
         if _on() and queries.shape[2] == 1 and sinks is None and supports(queries, keys, values):
             kv = _state.kv
             geometry = rows_of(cache, keys) if cache is not None else kv.get(id(keys), (None, None))[1]
-            if geometry is not None and cache is not None and isinstance(mask, mx.array) and not batched(cache):
-                geometry = None  # one sequence's cache with a mask array: not the kernel's (it masks by count alone)
+            if geometry is not None and isinstance(mask, mx.array) and (
+                    mask.dtype != mx.bool_ or cache is not None and not batched(cache)):
+                # The kernel masks by each row's count alone: a batch's padding mask (boolean) says no more; an
+                # additive mask (MLA models pass score terms in it) or one sequence's mask array would say more.
+                geometry = None
             if geometry is not None:
                 kv[id(keys)] = (keys, geometry)  # a KV-shared layer (gemma4) passes these keys on, without a cache
                 return attention(queries, keys, values, scale, *geometry)

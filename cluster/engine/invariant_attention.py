@@ -180,9 +180,10 @@ def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, sca
 
 
 def supports(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
-    """Whether `attention` takes these shapes (one query per row, a head dim the warps cover, grouped heads)."""
-    return (queries.shape[2] == 1 and values.shape[-1] == queries.shape[-1] <= 32 * WARPS
-            and queries.shape[1] % keys.shape[1] == 0)
+    """Whether `attention` takes these (plain arrays, not a quantized cache's tuples; one query per row, a head
+    dim the warps cover, grouped heads)."""
+    return (all(isinstance(a, mx.array) for a in (queries, keys, values)) and queries.shape[2] == 1
+            and values.shape[-1] == queries.shape[-1] <= 32 * WARPS and queries.shape[1] % keys.shape[1] == 0)
 
 
 def batched(cache) -> bool:

@@ -111,6 +111,9 @@ def warm(model) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from cluster.engine import invariant
+
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[5, 6, 7]]), cache=cache))
-    mx.eval(model(mx.array([[8]]), cache=cache))
+    with invariant.one_query():  # as a decode step runs (on CUDA the kernel: compiled here, not on a request)
+        mx.eval(model(mx.array([[8]]), cache=cache))

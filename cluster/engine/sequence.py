@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from typing import Optional, Protocol
 
 import mlx.core as mx
@@ -132,7 +133,8 @@ class Sequence:
         end = self.session.next_stop(len(self.fed), len(self.prompt) - 1, step)
         chunk = self.prompt[len(self.fed): end]
         t0 = time.perf_counter()
-        self.model(mx.array(chunk)[None], cache=self.cache)
+        with invariant.one_query() if len(chunk) == 1 else nullcontext():  # one token: a one-query attention
+            self.model(mx.array(chunk)[None], cache=self.cache)
         # The device runs the chunk while the session builds its captures (lazy copies of the updated
         # caches, evaluated by its seal): a capture's Python work then hides behind the forward instead of
         # adding a sync and an idle device to every chunk. The list is let go before the next chunk, whose

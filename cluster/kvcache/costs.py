@@ -67,6 +67,8 @@ class Costs:
         bps = nbytes / seconds
         with self._lock:
             old = getattr(self, f"{tier}_bps")
+            if tier == "disk" and self._read_stale():  # a stale read speed says nothing the new one does not
+                old = 0.0
             setattr(self, f"{tier}_bps", bps if not old else (1 - EMA) * old + EMA * bps)
             if tier == "disk":
                 self.read_at = time.monotonic()
@@ -97,7 +99,13 @@ class Costs:
         RESAMPLE_S (one seeded from before a restart is stale at once)."""
         if not self.disk_bps:
             return bool(self.write_bps)
-        return time.monotonic() - self.read_at > RESAMPLE_S if self.read_at else True
+        return self._read_stale()
+
+    def _read_stale(self) -> bool:
+        """The read speed was not measured in this process within RESAMPLE_S (seeded, or old): the next read
+        measured replaces it rather than averaging into it (a speed measured on a busy disk, 0.1x the real
+        one, would otherwise take several more samples to recover)."""
+        return not self.read_at or time.monotonic() - self.read_at > RESAMPLE_S
 
     def seed(self, speeds: Speeds) -> None:
         """Start from speeds measured before (a restart): later measurements average into them."""

@@ -14,6 +14,7 @@ from typing import Optional
 import mlx.core as mx
 
 from cluster.config import CacheConfig
+from cluster.engine import invariant
 from cluster.engine.schedule import Schedule
 from cluster.families.codecs import AFFINE, capture_block, codec_descriptor, new_cache, payload_signature
 from cluster.families.registry import UnsupportedModel, layout_for
@@ -73,7 +74,8 @@ def probe_codec(model, layout: Layout, config: CacheConfig) -> Shapes:
         shapes = probe(model, layout, config.block_tokens)
         caches = [new_cache(spec) for spec in layout.layers]
         model(mx.array([[1, 2, 3, 4]]), cache=caches)
-        mx.eval(model(mx.array([[5]]), cache=caches))
+        with invariant.one_query():  # the decode step as a request's runs
+            mx.eval(model(mx.array([[5]]), cache=caches))
         return shapes
     except (RuntimeError, ValueError) as e:
         from cluster.store.fingerprint import backend
@@ -95,7 +97,10 @@ def kernels_in_effect(layout: Layout) -> list[str]:
     its blocks, so blocks made with them never meet blocks made without."""
     from cluster.kernels import gated_delta_cuda
 
-    return [gated_delta_cuda.VERSION] if layout.has_recurrent and gated_delta_cuda.in_effect() else []
+    out = [gated_delta_cuda.VERSION] if layout.has_recurrent and gated_delta_cuda.in_effect() else []
+    if invariant.routes_one_query():  # a prompt's last token and generated tokens attend in it
+        out.append(invariant.EXACT_DECODE_VERSION)
+    return out
 
 
 def setup_cache(model, tokenizer, model_dir: Path, config: CacheConfig, cache_dir: Path,

@@ -156,18 +156,19 @@ def one_query_routed(monkeypatch):
     """exact_decode_attention on, as models/loading.py turns it on for MLX's CUDA backend, here on the CPU
     (where the kernel's place is taken by its per-row reference); the attention calls it routed are listed."""
     calls = []
-    real = invariant.attention
+    real, was = invariant.attention, invariant.routes_one_query()
     monkeypatch.setattr(invariant, "attention", lambda q, *a: calls.append(q.shape) or real(q, *a))
     invariant.exact_decode_attention(True)
     yield calls
-    invariant.exact_decode_attention(False)
+    invariant.exact_decode_attention(was)  # on CUDA it stays on for the tests after this one
 
 
 @pytest.mark.parametrize("name", ["tiny-dense", "tiny-swa", "tiny-gemma4"])  # full, rotating, KV-shared layers
 def test_exact_decode_attention_routes_every_one_query_forward_and_a_hit_stays_bitwise_cold(
         load_builtin, data_dir, tmp_path, one_query_routed, name):
-    """A prompt's last token and every decode step attend in the kernel (each attention layer, each step);
-    prefill chunks stay mlx-lm's; a cached answer is bitwise the cold one, and the same tokens as unrouted."""
+    """A prompt's last token, every decode step and a one-token prefill chunk attend in the kernel (each
+    attention layer, each of them), other prefill chunks mlx-lm's; a cached answer is bitwise the cold one,
+    and the same tokens as unrouted."""
     from tests.kvcache.conftest import Harness, prompt_of as long_prompt
 
     model, tok = load_builtin(name)
@@ -176,18 +177,21 @@ def test_exact_decode_attention_routes_every_one_query_forward_and_a_hit_stays_b
     def go():
         h = Harness(model, tok, resolve_model(name, data_dir), tmp_path, block_tokens=32, prefill_step=64,
                     resume_at="chunk")
+        before = len(one_query_routed)  # loading the model warmed it with a routed decode step
+        h.cold(long_prompt(130), max_tokens=12)  # chunks [0, 64), [64, 128), [128, 129): the last of one token
+        routed_130 = len(one_query_routed) - before
         prompt = long_prompt(250)
         cold = h.cold(prompt, max_tokens=12)
-        routed = list(one_query_routed)
+        routed = one_query_routed[before + routed_130:]
         h.warm(prompt[:170], max_tokens=4)
         warm = h.warm(prompt)
         h.assert_same(warm, cold)
         invariant.exact_decode_attention(False)
-        return routed, warm.cached, cold.tokens, h.cold(prompt, max_tokens=12).tokens
+        return routed_130, routed, warm.cached, cold.tokens, h.cold(prompt, max_tokens=12).tokens
     try:
-        routed, cached, tokens, unrouted = scheduler.run(go)
+        routed_130, routed, cached, tokens, unrouted = scheduler.run(go)
     finally:
         scheduler.stop()
     layers = len(model.layers)  # attention calls per forward: KV-shared layers (tiny-gemma4's last 2) included
-    assert len(routed) == 12 * layers and {s[2] for s in routed} == {1}
+    assert routed_130 == 13 * layers and len(routed) == 12 * layers  # the last token and 11 decode steps
     assert cached == 128 and unrouted == tokens  # the same answer as mlx-lm's attention gives

@@ -98,24 +98,29 @@ def test_a_row_with_no_keys_attends_to_nothing(run):
 
 
 @pytest.mark.parametrize("cls,kw", CACHES, ids=["full", "rotating"])
-def test_one_sequences_cache_is_read_in_order_and_is_bitwise_the_same_row_in_a_batch(run, cls, kw):
+def test_one_sequences_cache_is_read_in_order_as_mlx_lm_attends_and_bitwise_a_batchs_row(run, cls, kw):
     """rows_of on one sequence's cache (what a decode step alone and a prompt's last token see, routed to the
-    kernel on CUDA): the keys mlx-lm returns, in logical order (a rotating cache's ring after it wrapped,
-    and its slice before), the same result as the row's in a batch, and one key fewer is not."""
+    kernel on CUDA): the result is mlx-lm's over the keys it returns, step after step (a rotating cache's
+    slice before its ring wraps, the ring after, its newest key anywhere in it), bitwise the same row's in a
+    batch, and one key fewer is not."""
     def go():
         out = []
         for n in (40, 63, 64, 70, 300):  # a window of 64: before, at and after it wraps
             alone, batch = filled(cls, n, 3, 64, mx.float32, **kw), cls.merge([filled(cls, n, 3, 64, mx.float32, **kw)])
-            mx.random.seed(5)
-            k, v, q = mx.random.normal((1, H, 1, 64)), mx.random.normal((1, H, 1, 64)), mx.random.normal((1, H * G, 1, 64))
-            keys, values = alone.update_and_fetch(k, v)
-            count, end = rows_of(alone, keys)
-            mine = attention(q, keys, values, 0.125, count, end)
-            bk, bv = batch.update_and_fetch(k, v)
-            theirs = attention(q, bk, bv, 0.125, *rows_of(batch, bk))
-            off = attention(q, keys, values, 0.125, count - 1, end)  # the negative control: its oldest key left out
-            out.append((count.tolist(), mx.array_equal(mine, theirs).item(), mx.abs(off - theirs).max().item() > 1e-3))
+            for t in range(5):
+                mx.random.seed(5 + t)
+                k, v, q = mx.random.normal((1, H, 1, 64)), mx.random.normal((1, H, 1, 64)), mx.random.normal((1, H * G, 1, 64))
+                keys, values = alone.update_and_fetch(k, v)
+                count, end = rows_of(alone, keys)
+                mine = attention(q, keys, values, 0.125, count, end)
+                truth = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125)  # mlx-lm's, no mask
+                bk, bv = batch.update_and_fetch(k, v)
+                theirs = attention(q, bk, bv, 0.125, *rows_of(batch, bk))
+                fewer = attention(q, keys, values, 0.125, count - 1, end)  # the negative control: the oldest key left out
+                out.append((n + t + 1, count.tolist()[0], mx.abs(mine - truth).max().item(),
+                            mx.array_equal(mine, theirs).item(), mx.abs(fewer - truth).max().item()))
         return out
     got = run(go)
-    assert [c for c, _, _ in got] == ([[41], [64], [65], [71], [301]] if cls is KVCache else [[41], [64], [64], [64], [64]])
-    assert all(same and wrong for _, same, wrong in got), got
+    assert [c for _, c, *_ in got] == [min(total, 64) if cls is RotatingKVCache else total for total, *_ in got]
+    assert max(gap for _, _, gap, _, _ in got) <= F32_TOLERANCE, got
+    assert all(same for *_, same, _ in got) and min(wrong for *_, wrong in got) > 1e-3, got

@@ -52,15 +52,18 @@ def test_only_arguments_shaped_as_the_kernel_reads_them_reach_it(monkeypatch):
 
 
 def test_the_kernel_names_the_blocks_only_where_it_computes_them():
-    """Off CUDA no kernel of ours computes a cache, so no fingerprint carries one (kvcache/setup.py)."""
+    """Off CUDA no kernel of ours computes a cache, so no fingerprint carries one (kvcache/setup.py); on CUDA the
+    recurrence's (hybrids) and the one-query attention's (every model, once one is loaded: engine/invariant.py)."""
+    from cluster.engine import invariant
     from cluster.families.specs import FullAttention, Layout, Recurrent
     from cluster.kvcache.setup import kernels_in_effect
 
     install()
     assert gated_delta_cuda.in_effect() == ON_CUDA
     hybrid, dense = Layout("qwen3_5", (Recurrent(2), FullAttention())), Layout("qwen3", (FullAttention(),))
-    assert kernels_in_effect(hybrid) == ([gated_delta_cuda.VERSION] if ON_CUDA else [])
-    assert kernels_in_effect(dense) == []
+    exact = [invariant.EXACT_DECODE_VERSION] if invariant.routes_one_query() else []  # on CUDA once a model loads
+    assert kernels_in_effect(hybrid) == ([gated_delta_cuda.VERSION] if ON_CUDA else []) + exact
+    assert kernels_in_effect(dense) == exact
 
 
 SHAPES = [dict(), dict(Dk=128, Dv=128, Hk=2, Hv=4), dict(Hk=4, Hv=4), dict(Dv=6), dict(Dk=256, Dv=8, Hk=1, Hv=2)]

@@ -68,11 +68,13 @@ def test_a_read_speed_goes_stale_and_one_from_before_a_restart_is_stale_at_once(
     c = Costs()
     c.seed(Speeds(namespace="00", disk_bps=0.3e9, write_bps=1e9))  # saved by the process before
     assert c.read_at == 0.0 and c.read_worth_sampling()
-    c.observe("disk", GB, 0.5)
-    assert c.read_at == 1000.0 and not c.read_worth_sampling()
+    c.observe("disk", GB, 0.5)  # the seeded 0.3 GB/s is replaced, not averaged
+    assert c.read_at == 1000.0 and c.disk_bps == GB / 0.5 and not c.read_worth_sampling()
     now[0] += costs_module.RESAMPLE_S
     assert not c.read_worth_sampling()
     now[0] += 1
     assert c.read_worth_sampling()
     c.observe("write", GB, 1.0)  # a write is no read
     assert c.read_worth_sampling()
+    c.observe("disk", GB, 0.25)  # a stale speed is replaced by the new measurement, not averaged with it
+    assert c.disk_bps == GB / 0.25 and not c.read_worth_sampling()

@@ -53,3 +53,25 @@ def test_a_backend_without_quantized_kernels_refuses_q8_at_start_naming_the_alte
     assert "--kv-codec native" in str(e.value) and "tq8" in str(e.value) and "No kernel" in str(e.value)
     setup = setup_cache(model, tok, resolve_model("tiny-dense", data_dir), CacheConfig(kv_codec="native"), tmp_path)
     assert setup.cache is not None  # the native codec needs no quantized kernel
+
+
+def test_blocks_made_with_the_one_query_kernel_never_meet_blocks_made_without(load_builtin, data_dir, tmp_path):
+    """With exact_decode_attention on (MLX's CUDA backend), a prompt's last token and generated tokens attend in
+    the project's kernel: their blocks are other bytes, so the fingerprint names the kernel; q8 still starts
+    (its quantized cache's attention is not the kernel's and stays mlx-lm's)."""
+    from cluster.engine import invariant
+
+    model, tok = load_builtin("tiny-dense")
+    path = resolve_model("tiny-dense", data_dir)
+    was = invariant.routes_one_query()
+    try:
+        invariant.exact_decode_attention(False)
+        off = setup_cache(model, tok, path, CacheConfig(), tmp_path)
+        invariant.exact_decode_attention(True)
+        on = setup_cache(model, tok, path, CacheConfig(), tmp_path)
+        q8 = setup_cache(model, tok, path, CacheConfig(kv_codec="q8"), tmp_path)
+    finally:
+        invariant.exact_decode_attention(was)
+    assert invariant.EXACT_DECODE_VERSION in on.fingerprint.parts["kernels"]
+    assert invariant.EXACT_DECODE_VERSION not in off.fingerprint.parts.get("kernels", [])
+    assert on.cache.namespace != off.cache.namespace and q8.cache is not None

@@ -36,8 +36,12 @@ def test_costs_seeded_from_saved_speeds_predict_at_once_and_keep_averaging():
     costs.seed(Speeds(namespace=NS.hex(), ram_bps=2e11, disk_bps=1.7e9, move_bps=1.4e9))
     restore, cold = costs.predict(8192, 7680, 0, 1 << 30)
     assert restore > cold and not costs.restore_pays(8192, 7680, 0, 1 << 30)
-    costs.observe("disk", 1 << 30, (1 << 30) / 2.7e9)
-    assert costs.disk_bps == 0.7 * 1.7e9 + 0.3 * 2.7e9
+    costs.observe("move", 1 << 30, (1 << 30) / 2.4e9)
+    assert costs.move_bps == 0.7 * 1.4e9 + 0.3 * 2.4e9
+    costs.observe("disk", 1 << 30, (1 << 30) / 2.7e9)  # a seeded read speed is stale (costs.RESAMPLE_S): replaced
+    assert abs(costs.disk_bps - 2.7e9) < 1.0
+    costs.observe("disk", 1 << 30, (1 << 30) / 1.7e9)  # measured here, recently: averaged
+    assert abs(costs.disk_bps - (0.7 * 2.7e9 + 0.3 * 1.7e9)) < 1.0
     snap = costs.snapshot(NS)
-    assert (snap.namespace, snap.prefill_tps, snap.ram_bps, snap.move_bps) == (NS.hex(), 25000.0, 2e11, 1.4e9)
+    assert (snap.namespace, snap.prefill_tps, snap.ram_bps, snap.move_bps) == (NS.hex(), 25000.0, 2e11, costs.move_bps)
     assert snap.same(snap.model_copy(update={"saved": 5.0})) and not snap.same(None)
