@@ -171,10 +171,10 @@ def test_exact_decode_attention_routes_every_one_query_forward_and_a_hit_stays_b
     and the same tokens as unrouted."""
     from tests.kvcache.conftest import Harness, prompt_of as long_prompt
 
-    model, tok = load_builtin(name)
     scheduler = Scheduler(name="mlx-fleet-test")  # all of it on a model thread, as a replica runs it
 
     def go():
+        model, tok = load_builtin(name)
         h = Harness(model, tok, resolve_model(name, data_dir), tmp_path, block_tokens=32, prefill_step=64,
                     resume_at="chunk")
         before = len(one_query_routed)  # loading the model warmed it with a routed decode step
@@ -187,11 +187,12 @@ def test_exact_decode_attention_routes_every_one_query_forward_and_a_hit_stays_b
         warm = h.warm(prompt)
         h.assert_same(warm, cold)
         invariant.exact_decode_attention(False)
-        return routed_130, routed, warm.cached, cold.tokens, h.cold(prompt, max_tokens=12).tokens
+        return routed_130, routed, warm.cached, cold.tokens, h.cold(prompt, max_tokens=12).tokens, len(model.layers)
     try:
-        routed_130, routed, cached, tokens, unrouted = scheduler.run(go)
+        routed_130, routed, cached, tokens, unrouted, layers = scheduler.run(go)
     finally:
         scheduler.stop()
-    layers = len(model.layers)  # attention calls per forward: KV-shared layers (tiny-gemma4's last 2) included
-    assert routed_130 == 13 * layers and len(routed) == 12 * layers  # the last token and 11 decode steps
+    # Attention calls per forward: one a layer, KV-shared ones (tiny-gemma4's last 2) included. 130 tokens: the
+    # one-token chunk, the last token and 11 decode steps; 250: the last token and 11 decode steps.
+    assert routed_130 == 13 * layers and len(routed) == 12 * layers
     assert cached == 128 and unrouted == tokens  # the same answer as mlx-lm's attention gives
