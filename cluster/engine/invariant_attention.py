@@ -143,10 +143,10 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     physical index `end` - 1 of the key axis, wrapping around it."""
     if not mx.cuda.is_available():
         return reference_attention(queries, keys, values, scale, count, end)
-    B, hq, L, D = queries.shape
-    hk, R = keys.shape[1], keys.shape[2]
-    if L != 1 or values.shape[-1] != D or D > 32 * WARPS or hq % hk:
+    if not supports(queries, keys, values):
         raise RuntimeError(f"invariant attention: unsupported shapes {queries.shape} {keys.shape} {values.shape}")
+    B, hq, _, D = queries.shape
+    hk, R = keys.shape[1], keys.shape[2]
     s = _scales.get(scale)
     if s is None:
         s = _scales[scale] = mx.array([scale], mx.float32)

@@ -102,3 +102,11 @@ def on_gpu() -> bool:
     import mlx.core as mx
 
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def cuda() -> bool:
+    """MLX runs on its CUDA backend (managed memory), not Metal's unified memory or the CPU."""
+    import mlx.core as mx
+
+    backend = getattr(mx, "cuda", None)  # absent from some builds
+    return on_gpu() and backend is not None and backend.is_available()

@@ -30,7 +30,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from cluster.engine.schedule import on_gpu
+from cluster.engine.schedule import cuda
 from cluster.kvcache import device_blocks
 from cluster.kvcache.device_blocks import DeviceBlock, Run
 from cluster.kvcache.disk_client import BATCH_BYTES, Pending
@@ -124,8 +124,3 @@ class Spiller:
             room -= block.nbytes
         return out
 
-
-def cuda() -> bool:
-    """MLX runs on its CUDA backend (managed memory), not Metal's unified memory or the CPU."""
-    backend = getattr(mx, "cuda", None)
-    return on_gpu() and backend is not None and backend.is_available()

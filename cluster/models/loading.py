@@ -11,19 +11,14 @@ def load_model(path, lazy: bool = False):
     """(model, tokenizer) from a resolved model directory."""
     from mlx_lm import load
 
+    from cluster.engine.schedule import cuda
     from cluster.kernels.gated_delta_cuda import install
 
     install()  # hybrids' recurrence in a kernel on CUDA (mlx-lm has one for Metal only)
     loaded = load(str(path), lazy=lazy)
-    if _cuda():  # one-query attention in a kernel that repeats itself (engine/invariant.py says why)
+    if cuda():  # one-query attention in a kernel that repeats itself (engine/invariant.py says why)
         from cluster.engine import invariant
 
         invariant.exact_decode_attention()
     return loaded
 
-
-def _cuda() -> bool:
-    import mlx.core as mx
-
-    backend = getattr(mx, "cuda", None)  # absent from some builds
-    return mx.default_device().type == mx.DeviceType.gpu and backend is not None and backend.is_available()
