@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "agreement": "cluster.bench.agreement",
     "shard": "cluster.bench.shard",
     "repeat": "cluster.bench.repeat",
+    "decode": "cluster.bench.decode",
 }
 
 
