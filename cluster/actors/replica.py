@@ -77,6 +77,7 @@ class ModelReplica:
             if self.cache.cache.device:  # spills wait for the model thread to be idle (PrefixCache.spill_idle)
                 self.cache.cache.spill_when_idle = True
                 self.scheduler.when_idle(self.cache.cache.spill_idle)
+                self.cache.cache.device_work = self.scheduler.future  # disk blocks move as they are read (uploads.py)
             # A sharded replica's ranks keep their blocks, each its own heads, in RAM and on their own nodes'
             # disks, and restore the same tokens or none (kvcache/shard_restore.py); each pulls its own from
             # its counterpart in a peer replica of the same geometry (plan.py FetchPlan.for_rank).

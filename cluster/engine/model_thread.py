@@ -61,6 +61,11 @@ def on_model_thread() -> bool:
     return threading.get_ident() in _owners
 
 
+def claimed() -> bool:
+    """Whether any thread of this process is a model thread (a replica's, a test's scheduler's)."""
+    return bool(_owners)
+
+
 def check(what: str) -> None:
     """Raise WrongThread if a model thread exists and this is not one."""
     if _owners and threading.get_ident() not in _owners:

@@ -173,6 +173,11 @@ class Scheduler:
         """Run `fn` on the model thread and return its result (or raise its exception).
 
         For setup (loading the model, probing it); never call it from the model thread."""
+        return self.future(fn).result(timeout_s)
+
+    def future(self, fn: Callable[[], T]) -> Future:
+        """Run `fn` on the model thread between steps; its future (the admission's moves of blocks read in:
+        kvcache/uploads.py)."""
         future: Future = Future()
 
         def task():
@@ -183,7 +188,7 @@ class Scheduler:
                     future.set_exception(e)
 
         self.call(task)
-        return future.result(timeout_s)
+        return future
 
     def when_idle(self, fn: Callable[[], bool]) -> None:
         """Run `fn` on the model thread whenever no sequence is in flight (a device tier's spills: see

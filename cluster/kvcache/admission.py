@@ -232,10 +232,10 @@ class Admission:
         except RuntimeError:  # no thread to be had: no sample this time, and the next may try
             self._sampling.release()
 
-    def _read_disk(self, keys: list[bytes], sample: bool = False) -> list:
+    def _read_disk(self, keys: list[bytes], sample: bool = False, arrived=None) -> list:
         """Read `keys` from the disk (DiskClient.get_many) and fold the read's speed into the cost model."""
         t0 = time.perf_counter()
-        read = self.cache.tiers.disk.get_many(keys, sample=sample)
+        read = self.cache.tiers.disk.get_many(keys, sample=sample, arrived=arrived)
         self.cache.costs.observe("disk", sum(len(d) for d in read if d is not None), time.perf_counter() - t0)
         return read
 
@@ -300,10 +300,24 @@ class Admission:
         sources["ram"] += len(in_ram)
         missing = [i for i, d in enumerate(datas) if d is None]
         read_in: set[bytes] = set()  # read from the disk now: payload checksums verified by the read
+        decoded: dict[bytes, object] = {}  # read from the disk and decoded as they arrived: a Block, or why not
         if tiers.disk is not None:
             tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too (queued: no store call here)
             if missing and disk:
-                read = self._read_disk([keys[i] for i in missing])
+                uploads = pc.uploads()  # None: the restore moves them to the device
+
+                def arrived(i: int, data) -> None:  # decoded now, and moved while the rest is read
+                    kind, j, key = reads[missing[i]]
+                    try:
+                        decoded[key] = block = pc.decode(data, kind, j, ids, payload_verified=True)
+                    except Exception as e:  # refused below, with the others
+                        decoded[key] = e
+                        return
+                    uploads.add(key, block, kind, len(data))
+
+                read = self._read_disk([keys[i] for i in missing], arrived=arrived if uploads is not None else None)
+                if uploads is not None:
+                    decoded.update(uploads.finish())
                 for i, data in zip(missing, read):
                     if data is not None:
                         datas[i] = data
@@ -320,7 +334,10 @@ class Admission:
                 blocks[key] = data
                 continue
             try:
-                blocks[key] = pc.decode(data, kind, j, ids, payload_verified=key in read_in)
+                done = decoded.get(key)
+                if isinstance(done, Exception):
+                    raise done
+                blocks[key] = done if done is not None else pc.decode(data, kind, j, ids, payload_verified=key in read_in)
             except Exception as e:  # any failure is a miss; a well-formed but wrong block is refused too
                 reason = e.reason if isinstance(e, BlockError) else "unexpected"
                 log.warning("cached block %d (%s) refused (%s): %s; treating it as a miss", j, kind, reason, e)

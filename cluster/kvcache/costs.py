@@ -25,7 +25,9 @@ The speeds are moving averages of what this replica measured itself:
 - move: bytes/s of moving blocks read in (disk, peer) to the device (PrefixCache). On a
   Mac this is a copy within unified memory; on CUDA the driver's DMA from page-locked read
   buffers (kernels/cuda_upload.py), 7.9 GB/s on an H100 (3.4-4.8 from pageable memory).
-  Until measured, the RAM speed stands in.
+  Until measured, the RAM speed stands in. Where the admission moves the blocks in batches
+  while later ones are read (`overlap_bytes`, uploads.py), the first batch is read and
+  moved, then the slower of the two paces the rest.
 A speed not measured yet (and no write speed for the disk) predicts nothing: the hit
 is taken (it is the likelier win, and taking it measures the speed). The replica saves
 what it measured on the node and a restart starts from it (speeds.py). Both sides of
@@ -57,6 +59,7 @@ class Costs:
     move_bps: float = 0.0
     write_bps: float = 0.0
     read_at: float = 0.0  # time.monotonic() of the last disk read measured in this process (0: none yet)
+    overlap_bytes: int = 0  # disk blocks move to the device in batches of this while the rest is read (0: after)
     choices: dict = field(default_factory=lambda: {"restore": 0, "recompute": 0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -75,14 +78,21 @@ class Costs:
 
     def predict(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> tuple[float, float] | None:
         """(seconds to restore n tokens and prefill the rest, seconds to prefill it all), or None when a
-        speed it needs is not measured yet. Disk bytes also pay their move to the device; until a read is
-        measured, they are read at the spills' write speed."""
+        speed it needs is not measured yet. Disk bytes also pay their move to the device (after the read, or
+        beside it: `overlap_bytes`); until a read is measured, they are read at the spills' write speed."""
         tps = self.prefill_tps()
         read_bps = self.disk_bps or self.write_bps
         if tps <= 0 or (ram_bytes or disk_bytes) and not self.ram_bps or disk_bytes and not read_bps:
             return None
         moved = ram_bytes / self.ram_bps if ram_bytes else 0.0
-        read = disk_bytes / read_bps + disk_bytes / (self.move_bps or self.ram_bps) if disk_bytes else 0.0
+        read = 0.0
+        if disk_bytes:
+            move_bps = self.move_bps or self.ram_bps
+            if self.overlap_bytes:  # a two-stage pipeline: a batch's read and move, then the slower stage paces
+                first = min(disk_bytes, self.overlap_bytes)
+                read = first / read_bps + first / move_bps + (disk_bytes - first) / min(read_bps, move_bps)
+            else:
+                read = disk_bytes / read_bps + disk_bytes / move_bps
         return moved + read + (prompt_len - n) / tps, prompt_len / tps
 
     def restore_pays(self, prompt_len: int, n: int, ram_bytes: int, disk_bytes: int) -> bool:

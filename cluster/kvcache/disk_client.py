@@ -113,10 +113,12 @@ class DiskClient:
             return [False] * len(keys)
         return found
 
-    def get_many(self, keys: list[bytes], sample: bool = False) -> list[Optional[np.ndarray]]:
+    def get_many(self, keys: list[bytes], sample: bool = False,
+                 arrived: Optional[Callable[[int, np.ndarray], None]] = None) -> list[Optional[np.ndarray]]:
         """Read and verify blocks; misses, bad and unreadable blocks are None. `sample`: a measurement of the
         disk, not a hit (admission.py): ordinary memory (a first read would otherwise time the page-locked
-        buffers' making) and not counted as hits."""
+        buffers' making) and not counted as hits. `arrived(i, data)`: called with each good block, in order,
+        as soon as it and those before it are read (the admission moves them to the device meanwhile)."""
         if not keys:
             return []
         opened = self._guarded(lambda: self.link.open_read(self.ns, keys, self.lookup_timeout_s), "read")
@@ -128,7 +130,7 @@ class DiskClient:
         reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys, [alloc] * len(keys),
                                timeout=self.read_timeout_s)
         try:
-            for key, (data, failure) in zip(keys, reads):
+            for i, (key, (data, failure)) in enumerate(zip(keys, reads)):
                 if failure is not None:
                     failed.append(failure)
                     self.counters["read_errors"] += 1
@@ -137,6 +139,8 @@ class DiskClient:
                             self.on_disk.discard(key)
                 elif data is not None:
                     good.append(key)
+                    if arrived is not None:
+                        arrived(i, data)
                 if not sample:
                     self.counters["disk_hits" if data is not None else "disk_misses"] += 1
                 out.append(data)

@@ -11,8 +11,9 @@ With the model's own codec the RAM tier holds device blocks (device_blocks.py):
 a capture is a device copy, a RAM hit is a concatenation per run with no host
 copy and no check, and the envelope (encode, checksum) is made on the disk
 client's thread when the block spills. A block read from the disk or pulled
-from a peer is checked there (decode), and moved to the device once, when it
-is restored: from then on it is a RAM block like the others. With a packing
+from a peer is checked there (decode), and moved to the device once: a disk
+read's blocks in batches while the rest is read (uploads.py), a pull's when
+restored. From then on it is a RAM block like the others. With a packing
 codec (tq*) the RAM tier holds the packed envelopes, packed on a thread of
 their own and decoded on every hit.
 
@@ -28,13 +29,14 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
 from cluster.config import CacheConfig
+from cluster.engine import model_thread
 from cluster.engine.schedule import Schedule, on_gpu
 from cluster.families.codecs import capture_block, capture_state, new_cache, restore_entry
 from cluster.families.specs import FullAttention, Layout, QuantizedAttention, Recurrent, SlidingWindow
@@ -46,6 +48,7 @@ from cluster.kvcache.plan import Planner
 from cluster.kvcache.spill import Spiller
 from cluster.kvcache.tails import Tail, capture_tail
 from cluster.kvcache.tiers import Tiers
+from cluster.kvcache.uploads import UPLOAD_BYTES, Uploads, submitter
 from cluster.store import block_format
 from cluster.store.arrays import host_views
 from cluster.store.block_format import REASONS, Block, BlockError, Expect, Signature
@@ -154,8 +157,11 @@ class PrefixCache:
         self.every = checkpoint_interval(shapes.state_bytes, self.block_bytes,
                                          config.checkpoint_overhead)
         self.counters = CacheCounters()
-        self.costs = Costs()  # the replica sets costs.prefill_tps to its scheduler's
+        self.costs = Costs(overlap_bytes=UPLOAD_BYTES if self.device else 0)  # the replica sets its prefill_tps
         self._moved = 0  # bytes of blocks read in and moved to the device by the restore being built
+        # The model thread's queue (the replica's scheduler): blocks read from the disk move to the device there
+        # while later ones are read (uploads.py). None: only where the admission runs on the model thread.
+        self.device_work: Optional[Callable[[Callable[[], object]], Future]] = None
 
     # -- what a block must be ------------------------------------------------------
     def expect(self, kind: str, index: int, ids: list[bytes]) -> Expect:
@@ -267,21 +273,43 @@ class PrefixCache:
         return caches
 
     def _on_device(self, fetched: list[tuple[bytes, object, str]]) -> list[DeviceBlock]:
-        """Fetched blocks ((key, block, kind) each) as device blocks. Those read from the disk or pulled from a
-        peer (checked by decode) move to the device together, once, and into a device RAM tier: the next hit
-        finds them there."""
+        """Fetched blocks ((key, block, kind) each) as device blocks: those the admission did not move already
+        (uploads.py) move now, together, once."""
         host = [(i, key, block, kind) for i, (key, block, kind) in enumerate(fetched)
                 if not isinstance(block, DeviceBlock)]
         out = [block for _, block, _ in fetched]
         if not host:
             return out
-        moved = device_blocks.from_host([block for _, _, block, _ in host], [self.runs[kind] for *_, kind in host])
-        for (i, key, _, _), block in zip(host, moved):
+        for (i, *_), block in zip(host, self.to_device([(key, block, kind) for _, key, block, kind in host])):
             out[i] = block
             self._moved += block.nbytes
-            if self.device:
-                self.tiers.ram.put(key, block)
         return out
+
+    def to_device(self, blocks: list[tuple[bytes, Block, str]]) -> list[DeviceBlock]:
+        """Blocks read from the disk or pulled from a peer (checked by decode; (key, block, kind) each) moved to
+        the device together, and into a device RAM tier: the next hit finds them there. Model thread."""
+        model_thread.check("PrefixCache.to_device")
+        moved = device_blocks.from_host([block for _, block, _ in blocks], [self.runs[kind] for *_, kind in blocks])
+        if self.device:
+            for (key, _, _), block in zip(blocks, moved):
+                self.tiers.ram.put(key, block)
+        return moved
+
+    def uploads(self) -> Optional[Uploads]:
+        """Batched moves for one admission read, overlapping the reads (uploads.py); None where the restore
+        moves the blocks (a RAM tier of envelopes, or no way to the model thread from this thread)."""
+        submit = submitter(self.device_work)
+        if not self.device or submit is None:
+            return None
+        return Uploads(self._timed_to_device, submit)
+
+    def _timed_to_device(self, blocks: list[tuple[bytes, Block, str]]) -> list[DeviceBlock]:
+        """to_device for an admission's batch, its speed measured (the restore times its own moves)."""
+        t0 = time.perf_counter()
+        moved = self.to_device(blocks)
+        mx.eval([a for b in moved for a in b.runs])
+        self.costs.observe("move", sum(b.nbytes for b in moved), time.perf_counter() - t0)
+        return moved
 
     # -- store (model thread) ---------------------------------------------------------------
     def store_block(self, index: int, block_id: bytes, parent: bytes, tokens: list[int], caches: list) -> None:

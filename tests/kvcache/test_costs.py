@@ -33,6 +33,18 @@ def test_bytes_read_in_pay_their_move_to_the_device_at_its_measured_speed():
     assert c.stats()["move_gbps"] == round(1.2e9 / 0.87 / 1e9, 3)
 
 
+def test_moves_beside_the_reads_cost_a_batch_then_the_slower_of_the_two():
+    c = costs(tps=25_000.0, ram=250e9, disk=1.5e9)
+    batch = 64 << 20  # moved as they are read (uploads.py)
+    c.overlap_bytes, c.move_bps = batch, 7.9e9
+    d = int(1.2e9)
+    assert c.predict(8192, 7680, 0, d)[0] == batch / 1.5e9 + batch / 7.9e9 + (d - batch) / 1.5e9 + 512 / 25_000
+    c.move_bps = 1.0e9  # a move slower than the read paces the rest instead
+    assert c.predict(8192, 7680, 0, d)[0] == batch / 1.5e9 + batch / 1.0e9 + (d - batch) / 1.0e9 + 512 / 25_000
+    small = 1 << 20  # under a batch: read, then moved
+    assert c.predict(8192, 8160, 0, small)[0] == small / 1.5e9 + small / 1.0e9 + 0 / 1.0e9 + 32 / 25_000
+
+
 def test_nothing_measured_yet_takes_the_hit():
     for c in (Costs(), costs(ram=0.0), costs(disk=0.0)):
         assert c.predict(2048, 2048, 1, 1) is None and c.restore_pays(2048, 2048, 1, 1)

@@ -93,7 +93,8 @@ def test_a_read_not_done_in_time_gives_way_to_ram(disk_only, monkeypatch):
 def test_an_agreement_below_the_read_keeps_that_many_tokens_of_it(disk_only):
     h, prompt, asked = disk_only
     admission = Admission(h.pc)
-    read = admission.fetch_own(prompt)
+    with ThreadPoolExecutor(1, "admit") as pool:  # a follower reads on its admission threads
+        read = pool.submit(admission.fetch_own, prompt).result()
     shorter = h.B * 2  # a block end: a resume point of tiny-dense's schedule
     assert shorter in h.pc.planner.candidates(len(prompt), read.n // h.B) and shorter < read.n
     asked.clear()
