@@ -90,7 +90,9 @@ def exact_decode_attention(on: bool = True) -> None:
         _patch_attention()
 
 
-EXACT_DECODE_VERSION = "invariant-decode-attention/1"  # in the cache fingerprint where it is in effect
+# In the cache fingerprint where it is in effect. /2: the warps' outputs merge through one G x D buffer (the
+# same sums in the same order as /1's NW copies, but no bitwise proof of it was run on a GPU).
+EXACT_DECODE_VERSION = "invariant-decode-attention/2"
 
 
 def routes_one_query() -> bool:

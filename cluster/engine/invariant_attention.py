@@ -38,7 +38,7 @@ _PASS1 = r"""
     const int lo = c * CHUNK, hi = min(n, lo + CHUNK);
     int start = (end[0] - n) % R;
     if (start < 0) start += R;
-    __shared__ float s_m[NW * G], s_l[NW * G], s_acc[NW * G * D];
+    __shared__ float s_m[NW * G], s_l[NW * G], s_o[G * D];
     float q[G][E], acc[G][E], m[G], l[G];
     for (int g = 0; g < G; ++g) {
         const T* qp = queries + b * queries_strides[0] + (hk * G + g) * queries_strides[1];
@@ -71,26 +71,37 @@ _PASS1 = r"""
             m[g] = mn;
         }
     }
-    for (int g = 0; g < G; ++g) {
-        if (lane == 0) { s_m[warp * G + g] = m[g]; s_l[warp * G + g] = l[g]; }
-        for (int i = 0; i < E; ++i) {
-            const int e = lane + 32 * i;
-            if (e < D) s_acc[(warp * G + g) * D + e] = acc[g][i];
-        }
+    if (lane == 0) {
+        for (int g = 0; g < G; ++g) { s_m[warp * G + g] = m[g]; s_l[warp * G + g] = l[g]; }
     }
+    for (int t = threadIdx.x; t < G * D; t += blockDim.x) s_o[t] = 0.f;
     __syncthreads();
+    // The warps' outputs, each scaled to the chunk's maximum, summed in warp order: one warp at a time adds
+    // its own into s_o (G * D floats, not NW copies of them: 16 query heads of 256 would need 128 KB).
+    for (int w = 0; w < NW; ++w) {
+        if (warp == w) {
+            for (int g = 0; g < G; ++g) {
+                if (!(l[g] > 0.f)) continue;  // no keys in this warp: skipped, as an empty chunk is in pass 2
+                float M = -INFINITY;
+                for (int v = 0; v < NW; ++v) M = fmaxf(M, s_m[v * G + g]);
+                const float f = expf(m[g] - M);
+                for (int i = 0; i < E; ++i) {
+                    const int e = lane + 32 * i;
+                    if (e < D) s_o[g * D + e] += acc[g][i] * f;
+                }
+            }
+        }
+        __syncthreads();
+    }
     for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
         const int g = t / D, e = t % D;
         float M = -INFINITY;
         for (int w = 0; w < NW; ++w) M = fmaxf(M, s_m[w * G + g]);
-        float L = 0.f, o = 0.f;
+        float L = 0.f;
         for (int w = 0; w < NW; ++w) {
-            if (s_l[w * G + g] > 0.f) {
-                const float f = expf(s_m[w * G + g] - M);
-                L += s_l[w * G + g] * f;
-                o += s_acc[(w * G + g) * D + e] * f;
-            }
+            if (s_l[w * G + g] > 0.f) L += s_l[w * G + g] * expf(s_m[w * G + g] - M);
         }
+        const float o = s_o[t];
         const size_t row = (size_t)b * HK * G + hk * G + g;
         WRITE
     }
@@ -179,11 +190,17 @@ def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, sca
     return mx.concatenate(out)
 
 
+SHARED_BYTES = 48 << 10  # a block's static shared memory on every CUDA GPU
+
+
 def supports(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether `attention` takes these (plain arrays, not a quantized cache's tuples; one query per row, a head
-    dim the warps cover, grouped heads)."""
-    return (all(isinstance(a, mx.array) for a in (queries, keys, values)) and queries.shape[2] == 1
-            and values.shape[-1] == queries.shape[-1] <= 32 * WARPS and queries.shape[1] % keys.shape[1] == 0)
+    dim the warps cover, grouped heads whose outputs fit a block's shared memory: s_m, s_l and s_o)."""
+    if not (all(isinstance(a, mx.array) for a in (queries, keys, values)) and queries.shape[2] == 1
+            and values.shape[-1] == queries.shape[-1] <= 32 * WARPS and queries.shape[1] % keys.shape[1] == 0):
+        return False
+    g, d = queries.shape[1] // keys.shape[1], queries.shape[-1]
+    return (2 * WARPS * g + g * d) * 4 <= SHARED_BYTES
 
 
 def batched(cache) -> bool:

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from cluster.engine import invariant_attention
 from cluster.engine.invariant_attention import CHUNK, attention, rows_of
 from cluster.engine.scheduler import Scheduler
 
@@ -124,3 +125,19 @@ def test_one_sequences_cache_is_read_in_order_as_mlx_lm_attends_and_bitwise_a_ba
     assert [c for _, c, *_ in got] == [min(total, 64) if cls is RotatingKVCache else total for total, *_ in got]
     assert max(gap for _, _, gap, _, _ in got) <= F32_TOLERANCE, got
     assert all(same for *_, same, _ in got) and min(wrong for *_, wrong in got) > 1e-3, got
+
+
+def test_the_kernel_takes_the_shapes_its_block_holds():
+    """Head dims up to 256 and grouped heads whose outputs fit a block's 48 KB of shared memory: Qwen3.5's and
+    Qwen3-Next's 16 query / 2 KV heads of 256 (the kernel's first version asked 66 KB for them, which ptxas
+    refused: checked with NVRTC for sm_90, docs/gpu.md); a wider head (Gemma 4's global 512) or a larger
+    group stays mlx-lm's."""
+    def shapes(hq, hk, d):
+        return mx.zeros((1, hq, 1, d)), mx.zeros((1, hk, 8, d)), mx.zeros((1, hk, 8, d))
+
+    assert invariant_attention.supports(*shapes(32, 8, 128))  # Qwen3-8B
+    assert invariant_attention.supports(*shapes(16, 2, 256))  # Qwen3.5 / Qwen3-Next full attention
+    assert invariant_attention.supports(*shapes(40, 1, 256))  # (2 * 8 * 40 + 40 * 256) * 4 = 42,240 bytes
+    assert not invariant_attention.supports(*shapes(64, 1, 256))  # 69,632 bytes
+    assert not invariant_attention.supports(*shapes(16, 2, 512))  # Gemma 4's global layers
+    assert not invariant_attention.supports(*shapes(12, 8, 128))  # not grouped evenly
