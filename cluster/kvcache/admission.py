@@ -45,6 +45,7 @@ from typing import Optional, Protocol
 
 from cluster.kvcache.costs import MIN_BYTES
 from cluster.kvcache.device_blocks import DeviceBlock
+from cluster.kvcache.disk_client import Taken
 from cluster.kvcache.peers import PeerClient
 from cluster.kvcache.prefix_cache import Prefetch, PrefixCache
 from cluster.store.block_format import BlockError
@@ -304,20 +305,21 @@ class Admission:
         if tiers.disk is not None:
             tiers.disk.touch(in_ram)  # RAM hits keep the disk copies hot too (queued: no store call here)
             if missing and disk:
-                uploads = pc.uploads()  # None: the restore moves them to the device
+                uploads = pc.uploads(decoded.__setitem__)  # None: the restore moves them to the device
 
-                def arrived(i: int, data) -> None:  # decoded now, and moved while the rest is read
+                def arrived(i: int, data) -> Taken:  # decoded now, moved while the rest is read, then let go
                     kind, j, key = reads[missing[i]]
                     try:
                         decoded[key] = block = pc.decode(data, kind, j, ids, payload_verified=True)
                     except Exception as e:  # refused below, with the others
                         decoded[key] = e
-                        return
-                    uploads.add(key, block, kind, len(data))
+                    else:
+                        uploads.add(key, block, kind, len(data))
+                    return Taken(len(data))
 
                 read = self._read_disk([keys[i] for i in missing], arrived=arrived if uploads is not None else None)
                 if uploads is not None:
-                    decoded.update(uploads.finish())
+                    uploads.finish()
                 for i, data in zip(missing, read):
                     if data is not None:
                         datas[i] = data

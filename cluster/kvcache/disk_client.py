@@ -53,6 +53,16 @@ READ_THREADS = 4
 SYNC_PERIOD_S = 1.0
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A block read that the caller took as it arrived (get_many's `arrived`): its size, not its bytes."""
+
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
 @dataclass
 class Pending:
     """A spill whose envelope is made when it is written: `encode()` gives its bytes (off the model thread)."""
@@ -114,11 +124,13 @@ class DiskClient:
         return found
 
     def get_many(self, keys: list[bytes], sample: bool = False,
-                 arrived: Optional[Callable[[int, np.ndarray], None]] = None) -> list[Optional[np.ndarray]]:
+                 arrived: Optional[Callable[[int, np.ndarray], Optional["Taken"]]] = None) -> list:
         """Read and verify blocks; misses, bad and unreadable blocks are None. `sample`: a measurement of the
         disk, not a hit (admission.py): ordinary memory (a first read would otherwise time the page-locked
         buffers' making) and not counted as hits. `arrived(i, data)`: called with each good block, in order,
-        as soon as it and those before it are read (the admission moves them to the device meanwhile)."""
+        as soon as it and those before it are read (the admission moves them to the device meanwhile); where it
+        returns a `Taken`, the result holds that in the block's place, so its buffer goes once the caller is done
+        with it, not after the last read."""
         if not keys:
             return []
         opened = self._guarded(lambda: self.link.open_read(self.ns, keys, self.lookup_timeout_s), "read")
@@ -139,11 +151,11 @@ class DiskClient:
                             self.on_disk.discard(key)
                 elif data is not None:
                     good.append(key)
-                    if arrived is not None:
-                        arrived(i, data)
                 if not sample:
                     self.counters["disk_hits" if data is not None else "disk_misses"] += 1
-                out.append(data)
+                taken = arrived(i, data) if arrived is not None and data is not None else None
+                out.append(data if taken is None else taken)
+                data = None  # the loop holds no read buffer past its block
         except ReadTimeout:  # the disk is too slow: what was not read in time is a miss (its pin expires)
             log.warning("disk reads took longer than %.1fs; the rest of this restore is a miss", self.read_timeout_s)
             self.breaker.failure()

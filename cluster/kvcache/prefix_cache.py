@@ -295,13 +295,14 @@ class PrefixCache:
                 self.tiers.ram.put(key, block)
         return moved
 
-    def uploads(self) -> Optional[Uploads]:
-        """Batched moves for one admission read, overlapping the reads (uploads.py); None where the restore
-        moves the blocks (a RAM tier of envelopes, or no way to the model thread from this thread)."""
+    def uploads(self, moved: Callable[[bytes, DeviceBlock], None]) -> Optional[Uploads]:
+        """Batched moves for one admission read, overlapping the reads (uploads.py), each moved block handed to
+        `moved`; None where the restore moves the blocks (a RAM tier of envelopes, or no way to the model thread
+        from this thread)."""
         submit = submitter(self.device_work)
         if not self.device or submit is None:
             return None
-        return Uploads(self._timed_to_device, submit)
+        return Uploads(self._timed_to_device, submit, moved)
 
     def _timed_to_device(self, blocks: list[tuple[bytes, Block, str]]) -> list[DeviceBlock]:
         """to_device for an admission's batch, its speed measured (the restore times its own moves)."""

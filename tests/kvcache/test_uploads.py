@@ -130,3 +130,28 @@ def test_inline_runs_at_once_and_keeps_the_exception_for_result():
     failed = uploads.inline(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         failed.result()
+
+
+def test_a_batchs_read_buffers_go_back_to_the_pool_once_it_is_moved(disk_harness, monkeypatch):
+    """Not after the last read: a 32k-token prompt of an 8B model would otherwise hold all 4.8 GB of host bytes
+    (and overflow the page-locked pool) beside their device copies."""
+    from cluster.kernels import cuda_upload
+    from tests.kernels.test_cuda_upload import Memory
+
+    h, prompt = on_disk(disk_harness)
+    pool = h.pc.tiers.disk.buffers = cuda_upload.PinnedBuffers(1 << 30, Memory())
+    monkeypatch.setattr(uploads, "UPLOAD_BYTES", 2 * h.pc.block_bytes)
+    back, give_back = [], pool._give_back
+    monkeypatch.setattr(pool, "_give_back", lambda *a: (back.append(1), give_back(*a)))
+    returned_at_moves, from_host = [], device_blocks.from_host
+    monkeypatch.setattr(device_blocks, "from_host",
+                        lambda blocks, runs: returned_at_moves.append(len(back)) or from_host(blocks, runs))
+    prefetch = Admission(h.pc).fetch(prompt)
+    m = -(-prefetch.n // h.B)
+    assert m == 9 and len(returned_at_moves) == 5 and pool.counters["pinned"] + pool.counters["reused"] == m
+    # Before the k-th move, every block of the batches before it went back, but the one the read loop still
+    # holds (the last read's, until the next arrives).
+    assert all(got >= 2 * k - 1 for k, got in enumerate(returned_at_moves)), returned_at_moves
+    assert len(back) == m  # all of them, before the restore
+    warm = h._run(prompt, 12, BlockSession(h.pc, list(prompt), prefetch))
+    h.assert_same(warm, h.cold(prompt))
