@@ -77,7 +77,7 @@ _PASS1 = r"""
     for (int t = threadIdx.x; t < G * D; t += blockDim.x) s_o[t] = 0.f;
     __syncthreads();
     // The warps' outputs, each scaled to the chunk's maximum, summed in warp order: one warp at a time adds
-    // its own into s_o (G * D floats, not NW copies of them: 16 query heads of 256 would need 128 KB).
+    // its own into s_o (G * D floats, not NW copies of them: 8 query heads of 256 per KV head needed 66 KB).
     for (int w = 0; w < NW; ++w) {
         if (warp == w) {
             for (int g = 0; g < G; ++g) {

@@ -177,8 +177,11 @@ class Scheduler:
 
     def future(self, fn: Callable[[], T]) -> Future:
         """Run `fn` on the model thread between steps; its future (the admission's moves of blocks read in:
-        kvcache/uploads.py)."""
+        kvcache/uploads.py); on a stopped scheduler it fails at once (nothing would run it)."""
         future: Future = Future()
+        if self._stopping:
+            future.set_exception(RuntimeError("the model thread has stopped"))
+            return future
 
         def task():
             if future.set_running_or_notify_cancel():

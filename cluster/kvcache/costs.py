@@ -27,7 +27,8 @@ The speeds are moving averages of what this replica measured itself:
   buffers (kernels/cuda_upload.py), 7.9 GB/s on an H100 (3.4-4.8 from pageable memory).
   Until measured, the RAM speed stands in. Where the admission moves the blocks in batches
   while later ones are read (`overlap_bytes`, uploads.py), the first batch is read and
-  moved, then the slower of the two paces the rest.
+  moved, then the slower of the two paces the rest, and the restore builds from them at
+  the RAM speed.
 A speed not measured yet (and no write speed for the disk) predicts nothing: the hit
 is taken (it is the likelier win, and taking it measures the speed). The replica saves
 what it measured on the node and a restart starts from it (speeds.py). Both sides of
@@ -88,10 +89,13 @@ class Costs:
         read = 0.0
         if disk_bytes:
             move_bps = self.move_bps or self.ram_bps
-            if self.overlap_bytes:  # a two-stage pipeline: a batch's read and move, then the slower stage paces
+            if self.overlap_bytes:  # a two-stage pipeline: a batch's read and move, then the slower stage paces;
+                # then the restore builds from them as from RAM (its build is no longer the move's, as below).
+                # Optimistic where the admission cannot reach the model thread (uploads.submitter: none then).
                 first = min(disk_bytes, self.overlap_bytes)
-                read = first / read_bps + first / move_bps + (disk_bytes - first) / min(read_bps, move_bps)
-            else:
+                read = (first / read_bps + first / move_bps + (disk_bytes - first) / min(read_bps, move_bps)
+                        + disk_bytes / self.ram_bps)
+            else:  # read, then moved by the restore (the move's speed is that build's)
                 read = disk_bytes / read_bps + disk_bytes / move_bps
         return moved + read + (prompt_len - n) / tps, prompt_len / tps
 

@@ -124,13 +124,15 @@ class DiskClient:
         return found
 
     def get_many(self, keys: list[bytes], sample: bool = False,
-                 arrived: Optional[Callable[[int, np.ndarray], Optional["Taken"]]] = None) -> list:
+                 arrived: Optional[Callable[[int, np.ndarray], Optional["Taken"]]] = None,
+                 timing: Optional[dict] = None) -> list:
         """Read and verify blocks; misses, bad and unreadable blocks are None. `sample`: a measurement of the
         disk, not a hit (admission.py): ordinary memory (a first read would otherwise time the page-locked
         buffers' making) and not counted as hits. `arrived(i, data)`: called with each good block, in order,
         as soon as it and those before it are read (the admission moves them to the device meanwhile); where it
         returns a `Taken`, the result holds that in the block's place, so its buffer goes once the caller is done
-        with it, not after the last read."""
+        with it, not after the last read. `timing["read_s"]`: from the start to the last read's end (what the
+        caller did with the blocks meanwhile not counted)."""
         if not keys:
             return []
         opened = self._guarded(lambda: self.link.open_read(self.ns, keys, self.lookup_timeout_s), "read")
@@ -139,8 +141,15 @@ class DiskClient:
         lease, located = opened
         out, good, failed = [], [], []
         alloc = self.buffers.take if self.buffers is not None and not sample else None
-        reads = self._pool.map(read_verified, located, [self.ns] * len(keys), keys, [alloc] * len(keys),
-                               timeout=self.read_timeout_s)
+        t0, ended = time.perf_counter(), []
+
+        def read(loc, key):
+            try:
+                return read_verified(loc, self.ns, key, alloc)
+            finally:
+                ended.append(time.perf_counter())
+
+        reads = self._pool.map(read, located, keys, timeout=self.read_timeout_s)
         try:
             for i, (key, (data, failure)) in enumerate(zip(keys, reads)):
                 if failure is not None:
@@ -153,9 +162,7 @@ class DiskClient:
                     good.append(key)
                 if not sample:
                     self.counters["disk_hits" if data is not None else "disk_misses"] += 1
-                taken = arrived(i, data) if arrived is not None and data is not None else None
-                out.append(data if taken is None else taken)
-                data = None  # the loop holds no read buffer past its block
+                out.append(data if arrived is None or data is None else self._arrived(arrived, i, data))
         except ReadTimeout:  # the disk is too slow: what was not read in time is a miss (its pin expires)
             log.warning("disk reads took longer than %.1fs; the rest of this restore is a miss", self.read_timeout_s)
             self.breaker.failure()
@@ -164,7 +171,20 @@ class DiskClient:
             self.link.close_read(lease, good, failed)
         except Exception as e:
             log.warning("releasing a disk read failed: %s", e)
+        if timing is not None:
+            timing["read_s"] = (max(ended) if ended else time.perf_counter()) - t0
         return out
+
+    @staticmethod
+    def _arrived(arrived, i: int, data: np.ndarray):
+        """What the result keeps for a good read: `arrived`'s Taken, or the bytes (where it returns None, or
+        fails: the caller then decodes them itself, and the read still ends in close_read)."""
+        try:
+            taken = arrived(i, data)
+        except Exception:
+            log.exception("taking block %d of a disk read as it arrived failed; it stays in the read's result", i)
+            return data
+        return data if taken is None else taken
 
     def backlog_bytes(self) -> int:
         """Bytes queued or being written now."""

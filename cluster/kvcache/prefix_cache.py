@@ -237,7 +237,10 @@ class PrefixCache:
         tail = prefetch.tail
         upto = tail.start if tail is not None else n  # tokens from blocks; a tail holds the rest
         m = math.ceil(upto / self.B)
-        resident = all(isinstance(prefetch.blocks[prefetch.ids[j]], DeviceBlock) for j in range(m))
+        # The RAM tier's speed is sampled on builds from RAM alone: blocks the admission just moved from the disk
+        # are device blocks too, but a first build over them can be slower (fresh memory) and is the disk's.
+        resident = not prefetch.from_disk and all(isinstance(prefetch.blocks[prefetch.ids[j]], DeviceBlock)
+                                                  for j in range(m))
         wanted = [(prefetch.ids[j], "kv") for j in range(m)]
         if self.layout.has_recurrent and tail is None:
             wanted.append((state_key(prefetch.ids[n // self.B - 1]), "state"))
@@ -290,6 +293,7 @@ class PrefixCache:
         the device together, and into a device RAM tier: the next hit finds them there. Model thread."""
         model_thread.check("PrefixCache.to_device")
         moved = device_blocks.from_host([block for _, block, _ in blocks], [self.runs[kind] for *_, kind in blocks])
+        mx.eval([a for b in moved for a in b.runs])  # whole before the tier holds them
         if self.device:
             for (key, _, _), block in zip(blocks, moved):
                 self.tiers.ram.put(key, block)
@@ -308,7 +312,6 @@ class PrefixCache:
         """to_device for an admission's batch, its speed measured (the restore times its own moves)."""
         t0 = time.perf_counter()
         moved = self.to_device(blocks)
-        mx.eval([a for b in moved for a in b.runs])
         self.costs.observe("move", sum(b.nbytes for b in moved), time.perf_counter() - t0)
         return moved
 

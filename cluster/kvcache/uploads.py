@@ -14,14 +14,17 @@ move fails is left to the restore, which moves it or counts the failure as a mis
 request.
 
 The moved blocks go into the device RAM tier (PrefixCache.to_device), as a restore's moved blocks do, and take
-their host blocks' places at once (`moved`), so a read buffer goes (on CUDA, back to the page-locked pool) while
-the rest is read: a 32k-token prompt of an 8B model holds about one batch of host bytes rather than 4.8 GB.
+their host blocks' places at once (`moved`), so a read buffer goes (on CUDA, back to the page-locked pool) once
+its batch is moved rather than after the last read. Nothing holds the reads back, so what is held is what was
+read and not yet moved: little where moves keep up with the disk (on a GPU they run several times faster),
+up to the whole read where the model thread is busy (a long prefill) until the end.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -32,7 +35,7 @@ from cluster.store.block_format import Block
 log = logging.getLogger(__name__)
 
 UPLOAD_BYTES = 64 << 20  # a batch: enough bytes per call to move at the bus's speed, few enough to overlap
-WAIT_S = 60.0  # a batch's move waits on the model thread's queue at most this long (a stuck thread: a miss)
+WAIT_S = 15.0  # all of a read's moves, at most (the admission's own deadline): past it the restore moves them
 
 ToDevice = Callable[[list[tuple[bytes, Block, str]]], list[DeviceBlock]]
 Submit = Callable[[Callable[[], object]], Future]
@@ -78,17 +81,19 @@ class Uploads:
             self._send()
 
     def finish(self) -> int:
-        """Send what is left and wait for every batch; how many blocks moved (a failed batch's did not: the
-        restore moves them instead, or refuses them there)."""
+        """Send what is left and wait for every batch, WAIT_S in all; how many blocks moved. A failed batch's,
+        and those not moved by then (cancelled, if not yet begun), are left to the restore: it moves them, or
+        refuses them there."""
         self._send()
-        done = 0
+        deadline, done = time.monotonic() + WAIT_S, 0
         for keys, future in self._sent:
             try:
-                future.result(WAIT_S)
+                future.result(max(0.0, deadline - time.monotonic()))
                 done += len(keys)
             except Exception as e:
+                future.cancel()
                 log.warning("moving %d blocks read from the disk to the device failed (%s: %s); the restore "
-                            "moves them", len(keys), type(e).__name__, e)
+                            "moves them", len(keys), type(e).__name__ or "timeout", e)
         self._sent = []
         return done
 

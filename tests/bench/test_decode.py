@@ -14,4 +14,5 @@ def test_both_ways_run_and_the_route_is_put_back(data_dir):
     for x in r:
         assert x["steps"] == 2 and x["kernel_steps_per_s"] > 0 and x["mlx_lm_steps_per_s"] > 0
         assert x["kernel_vs_mlx_lm"] == x["kernel_steps_per_s"] / x["mlx_lm_steps_per_s"]
-        assert len(x["turns"]["kernel"]) == 2 and x["kernel_steps_per_s"] == max(x["turns"]["kernel"])
+        assert len(x["turns"]["kernel"]) == len(x["turns"]["mlx_lm"]) == 2 and 1 <= x["rows_at_end"] <= x["rows"]
+        assert x["kernel_steps_per_s"] == max(x["turns"]["kernel"]) and x["mlx_lm_steps_per_s"] == max(x["turns"]["mlx_lm"])

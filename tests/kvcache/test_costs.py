@@ -33,16 +33,17 @@ def test_bytes_read_in_pay_their_move_to_the_device_at_its_measured_speed():
     assert c.stats()["move_gbps"] == round(1.2e9 / 0.87 / 1e9, 3)
 
 
-def test_moves_beside_the_reads_cost_a_batch_then_the_slower_of_the_two():
+def test_moves_beside_the_reads_cost_a_batch_then_the_slower_of_the_two_then_a_build():
     c = costs(tps=25_000.0, ram=250e9, disk=1.5e9)
     batch = 64 << 20  # moved as they are read (uploads.py)
     c.overlap_bytes, c.move_bps = batch, 7.9e9
     d = int(1.2e9)
-    assert c.predict(8192, 7680, 0, d)[0] == batch / 1.5e9 + batch / 7.9e9 + (d - batch) / 1.5e9 + 512 / 25_000
+    build = d / 250e9  # from the moved blocks, as from RAM
+    assert c.predict(8192, 7680, 0, d)[0] == batch / 1.5e9 + batch / 7.9e9 + (d - batch) / 1.5e9 + build + 512 / 25_000
     c.move_bps = 1.0e9  # a move slower than the read paces the rest instead
-    assert c.predict(8192, 7680, 0, d)[0] == batch / 1.5e9 + batch / 1.0e9 + (d - batch) / 1.0e9 + 512 / 25_000
+    assert c.predict(8192, 7680, 0, d)[0] == batch / 1.5e9 + batch / 1.0e9 + (d - batch) / 1.0e9 + build + 512 / 25_000
     small = 1 << 20  # under a batch: read, then moved
-    assert c.predict(8192, 8160, 0, small)[0] == small / 1.5e9 + small / 1.0e9 + 0 / 1.0e9 + 32 / 25_000
+    assert c.predict(8192, 8160, 0, small)[0] == small / 1.5e9 + small / 1.0e9 + 0 / 1.0e9 + small / 250e9 + 32 / 25_000
 
 
 def test_nothing_measured_yet_takes_the_hit():

@@ -172,7 +172,9 @@ def test_a_read_speed_gone_stale_is_measured_again_by_the_next_recompute(disk_ha
     assert admission.fetch(prompt).n == 0 and costs.choices == {"restore": 0, "recompute": 2}
     with admission._sampling:
         pass
-    assert reads == [{"sample": True, "arrived": None}] and costs.disk_bps > 1e3 and not costs.read_worth_sampling()
+    assert [sorted(kw) for kw in reads] == [["arrived", "sample", "timing"]] and reads[0]["sample"] is True
+    assert reads[0]["arrived"] is None and reads[0]["timing"]["read_s"] > 0  # no moves: a sample lets its bytes go
+    assert costs.disk_bps > 1e3 and not costs.read_worth_sampling()
     costs.prefill_tps = lambda: 1e3  # against a slow prefill the re-measured disk restores
     assert admission.fetch(prompt).n > 0 and costs.choices == {"restore": 1, "recompute": 2}
 
@@ -307,7 +309,8 @@ def test_a_sample_read_takes_the_plans_first_blocks_up_to_its_bytes_and_is_no_hi
     assert admission.fetch(prompt).n == 0 and costs.choices == {"restore": 0, "recompute": 1}
     with admission._sampling:
         pass
-    assert reads == [(chain_ids(h.pc.namespace, prompt, h.B)[:few], {"sample": True, "arrived": None})]
+    assert [(keys, kw["sample"], kw["arrived"]) for keys, kw in reads] == \
+        [(chain_ids(h.pc.namespace, prompt, h.B)[:few], True, None)]
     assert costs.disk_bps > 0 and h.pc.tiers.disk.counters["disk_hits"] == hits  # measured; not a hit
 
 

@@ -2,15 +2,18 @@
 order, on the model thread, into the RAM tier, and a cached run still answers as a cold one."""
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
+from cluster.engine import model_thread
 from cluster.engine.scheduler import Scheduler
 from cluster.kvcache import device_blocks, uploads
 from cluster.kvcache.admission import Admission
 from cluster.kvcache.device_blocks import DeviceBlock
 from cluster.kvcache.session import BlockSession
+from cluster.store import block_format
 from cluster.store.hashing import chain_ids
 from tests.kvcache.conftest import forget_ram, prompt_of
 
@@ -154,4 +157,61 @@ def test_a_batchs_read_buffers_go_back_to_the_pool_once_it_is_moved(disk_harness
     assert all(got >= 2 * k - 1 for k, got in enumerate(returned_at_moves)), returned_at_moves
     assert len(back) == m  # all of them, before the restore
     warm = h._run(prompt, 12, BlockSession(h.pc, list(prompt), prefetch))
+    h.assert_same(warm, h.cold(prompt))
+
+
+def test_a_block_refused_as_it_arrives_is_a_miss_and_the_rest_still_moves(disk_harness, monkeypatch):
+    h, prompt = on_disk(disk_harness)
+    monkeypatch.setattr(uploads, "UPLOAD_BYTES", 2 * h.pc.block_bytes)
+    decode, bad = h.pc.decode, 4
+
+    def decoded(data, kind, j, chain, payload_verified=False):
+        if j == bad:
+            raise block_format.WrongBlock("block is not the one stored under this key")
+        return decode(data, kind, j, chain, payload_verified=payload_verified)
+
+    monkeypatch.setattr(h.pc, "decode", decoded)
+    prefetch = Admission(h.pc).fetch(prompt)
+    monkeypatch.undo()
+    assert 0 < prefetch.n <= bad * h.B  # the plan shrank to before the refused block
+    ids = chain_ids(h.pc.namespace, prompt, h.B)
+    assert all(isinstance(prefetch.blocks[k], DeviceBlock) for k in ids[:-(-prefetch.n // h.B)])
+    assert {k: v for k, v in h.pc.counters.as_dict()["corrupt"].items() if v} == {"id": 1}  # WrongBlock's reason
+    warm = h._run(prompt, 12, BlockSession(h.pc, list(prompt), prefetch))
+    h.assert_same(warm, h.cold(prompt))
+
+
+def test_moves_the_model_thread_never_runs_are_left_to_the_restore(disk_harness, monkeypatch):
+    """A stopped (or stuck) model thread: the admission waits WAIT_S in all, cancels what did not begin, and the
+    restore moves those blocks itself."""
+    h, prompt = on_disk(disk_harness)
+    monkeypatch.setattr(uploads, "WAIT_S", 0.2)
+    s = Scheduler(name="mlx-fleet-test")
+    s.stop()
+    assert isinstance(s.future(lambda: 1).exception(), RuntimeError)  # a stopped scheduler runs nothing
+    never = []
+    h.pc.device_work = lambda fn: never.append(Future()) or never[-1]
+    claimed, release = threading.Event(), threading.Event()
+
+    def model():  # a replica's model thread, busy elsewhere: the admission must go through device_work
+        model_thread.claim()
+        claimed.set()
+        release.wait()
+        model_thread.release()
+
+    keep = threading.Thread(target=model, daemon=True)
+    keep.start()
+    claimed.wait()
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-fleet-admit") as pool:
+        try:
+            t0 = time.monotonic()
+            prefetch = pool.submit(Admission(h.pc).fetch, prompt).result()
+            waited = time.monotonic() - t0
+        finally:
+            release.set()
+            keep.join()
+    assert prefetch.n > 0 and len(never) == 1 and never[0].cancelled() and waited < 5
+    assert not any(isinstance(b, DeviceBlock) for b in prefetch.blocks.values())
+    warm = h._run(prompt, 12, BlockSession(h.pc, list(prompt), prefetch))  # the restore moves them
+    assert warm.cached == prefetch.n
     h.assert_same(warm, h.cold(prompt))
