@@ -63,12 +63,10 @@ def submitter(device_work: Optional[Submit]) -> Optional[Submit]:
 class Uploads:
     """One admission read's blocks, moved to the device in batches as they arrive."""
 
-    def __init__(self, to_device: ToDevice, submit: Submit, moved: Callable[[bytes, DeviceBlock], None],
-                 batch_bytes: Optional[int] = None):
+    def __init__(self, to_device: ToDevice, submit: Submit, moved: Callable[[bytes, DeviceBlock], None]):
         self.to_device = to_device
         self.submit = submit
         self.moved = moved  # each block moved, as soon as its batch is (on the model thread)
-        self.batch_bytes = UPLOAD_BYTES if batch_bytes is None else batch_bytes
         self._batch: list[tuple[bytes, Block, str]] = []
         self._bytes = 0
         self._sent: list[tuple[list[bytes], Future]] = []
@@ -77,25 +75,22 @@ class Uploads:
         """A decoded block (`nbytes`: what was read); a full batch goes to the model thread."""
         self._batch.append((key, block, kind))
         self._bytes += nbytes
-        if self._bytes >= self.batch_bytes:
+        if self._bytes >= UPLOAD_BYTES:
             self._send()
 
-    def finish(self) -> int:
-        """Send what is left and wait for every batch, WAIT_S in all; how many blocks moved. A failed batch's,
-        and those not moved by then (cancelled, if not yet begun), are left to the restore: it moves them, or
-        refuses them there."""
+    def finish(self) -> None:
+        """Send what is left and wait for every batch, WAIT_S in all. A failed batch's blocks, and those not moved
+        by then (cancelled, if not yet begun), are left to the restore: it moves them, or refuses them there."""
         self._send()
-        deadline, done = time.monotonic() + WAIT_S, 0
+        deadline = time.monotonic() + WAIT_S
         for keys, future in self._sent:
             try:
                 future.result(max(0.0, deadline - time.monotonic()))
-                done += len(keys)
             except Exception as e:
                 future.cancel()
                 log.warning("moving %d blocks read from the disk to the device failed (%s: %s); the restore "
-                            "moves them", len(keys), type(e).__name__ or "timeout", e)
+                            "moves them", len(keys), type(e).__name__, e)
         self._sent = []
-        return done
 
     def _send(self) -> None:
         if not self._batch:
