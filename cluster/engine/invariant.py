@@ -75,7 +75,7 @@ _one_query = False  # route one-query forwards' attention to the kernel (exact_d
 def exact_decode_attention(on: bool = True) -> None:
     """Route the attention of every one-query forward (a decode step, a prompt's last token, which the engine
     runs alone, and a one-token prefill chunk) to the kernel, inside `one_query()`, where the kernel takes the
-    shapes (head dims up to 256; a wider one, gemma4's 512-wide global layers, stays MLX's).
+    shapes (head dims up to 512, Gemma 4's global layers included).
 
     The default on MLX's CUDA backend (models/loading.py), because there MLX sends such a step to cuDNN once
     256 keys are held in a KV cache's buffer (a slice of a buffer of 256 * k tokens, as mlx-lm's caches
@@ -91,8 +91,9 @@ def exact_decode_attention(on: bool = True) -> None:
 
 
 # In the cache fingerprint where it is in effect. /2: the warps' outputs merge through one G x D buffer (the
-# same sums in the same order as /1's NW copies, but no bitwise proof of it was run on a GPU).
-EXACT_DECODE_VERSION = "invariant-decode-attention/2"
+# same sums in the same order as /1's NW copies, but no bitwise proof of it was run on a GPU). /3: head dims up
+# to 512, so Gemma 4's global layers take the kernel too, where /2 left them to MLX's attention (cuDNN).
+EXACT_DECODE_VERSION = "invariant-decode-attention/3"
 
 
 def routes_one_query() -> bool:

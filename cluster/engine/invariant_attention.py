@@ -191,13 +191,17 @@ def reference_attention(queries: mx.array, keys: mx.array, values: mx.array, sca
 
 
 SHARED_BYTES = 48 << 10  # a block's static shared memory on every CUDA GPU
+# The widest head of a family served here: Gemma 4's global layers. Wider would also fit pass 2's block (a thread
+# per element, up to 1,024), but each lane keeps 2 * G * D / 32 floats: at 512 and G = 8 ptxas already spills a
+# little (NVRTC for sm_90: 255 registers, 532 bytes), so a wider head is left to MLX's attention.
+MAX_HEAD_DIM = 512
 
 
 def supports(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether `attention` takes these (plain arrays, not a quantized cache's tuples; one query per row, a head
-    dim the warps cover, grouped heads whose outputs fit a block's shared memory: s_m, s_l and s_o)."""
+    dim up to MAX_HEAD_DIM, grouped heads whose outputs fit a block's shared memory: s_m, s_l and s_o)."""
     if not (all(isinstance(a, mx.array) for a in (queries, keys, values)) and queries.shape[2] == 1
-            and values.shape[-1] == queries.shape[-1] <= 32 * WARPS and queries.shape[1] % keys.shape[1] == 0):
+            and values.shape[-1] == queries.shape[-1] <= MAX_HEAD_DIM and queries.shape[1] % keys.shape[1] == 0):
         return False
     g, d = queries.shape[1] // keys.shape[1], queries.shape[-1]
     return (2 * WARPS * g + g * d) * 4 <= SHARED_BYTES

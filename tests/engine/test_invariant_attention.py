@@ -50,7 +50,7 @@ CACHES = [(KVCache, {}), (RotatingKVCache, {"max_size": 64})]
 
 
 @pytest.mark.parametrize("cls,kw", CACHES, ids=["full", "rotating"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 512])  # 512: Gemma 4's global layers
 def test_each_row_attends_to_the_keys_mlx_lm_lets_it_see(run, cls, kw, D):
     def go():
         batch = cls.merge([filled(cls, n, i, D, mx.float32, **kw) for i, n in enumerate(LENGTHS)])
@@ -128,10 +128,10 @@ def test_one_sequences_cache_is_read_in_order_as_mlx_lm_attends_and_bitwise_a_ba
 
 
 def test_the_kernel_takes_the_shapes_its_block_holds():
-    """Head dims up to 256 and grouped heads whose outputs fit a block's 48 KB of shared memory: Qwen3.5's and
+    """Head dims up to 512 and grouped heads whose outputs fit a block's 48 KB of shared memory: Qwen3.5's and
     Qwen3-Next's 16 query / 2 KV heads of 256 (the kernel's first version asked 66 KB for them, which ptxas
-    refused: checked with NVRTC for sm_90, docs/gpu.md); a wider head (Gemma 4's global 512) or a larger
-    group stays mlx-lm's."""
+    refused: checked with NVRTC for sm_90, docs/gpu.md) and Gemma 4's global layers (512); a wider head or a
+    larger group stays mlx-lm's."""
     def shapes(hq, hk, d):
         return mx.zeros((1, hq, 1, d)), mx.zeros((1, hk, 8, d)), mx.zeros((1, hk, 8, d))
 
@@ -139,5 +139,7 @@ def test_the_kernel_takes_the_shapes_its_block_holds():
     assert invariant_attention.supports(*shapes(16, 2, 256))  # Qwen3.5 / Qwen3-Next full attention
     assert invariant_attention.supports(*shapes(40, 1, 256))  # (2 * 8 * 40 + 40 * 256) * 4 = 43,520 bytes
     assert not invariant_attention.supports(*shapes(64, 1, 256))  # 69,632 bytes
-    assert not invariant_attention.supports(*shapes(16, 2, 512))  # Gemma 4's global layers
+    assert invariant_attention.supports(*shapes(32, 4, 512))  # Gemma 4 31B's global layers
+    assert not invariant_attention.supports(*shapes(64, 2, 512))  # (2 * 8 * 32 + 32 * 512) * 4 = 67,584 bytes
+    assert not invariant_attention.supports(*shapes(4, 4, 1024))  # wider than MAX_HEAD_DIM
     assert not invariant_attention.supports(*shapes(12, 8, 128))  # not grouped evenly
