@@ -191,7 +191,7 @@ class ModelSpec(_Config):
         False, description="Batch-invariant decode: a batched request's logits are bitwise those it gets alone (engine/invariant.py). On a GPU every decode step's matmuls run at decode_concurrency rows and attention runs in a kernel whose sums do not depend on the batch; it costs throughput (docs/gpu.md measures it). On the CPU backend batched rows are already their solo runs, so nothing changes; on Metal it is not available yet and the replica refuses to start.",
     )
     prefill_concurrency: int = Field(
-        8, ge=1, le=1024, description="Prompts one replica has in prefill at once: restored, then prefilled oldest first in block-aligned chunks, about prefill_step_tokens per decode step.",
+        8, ge=1, le=1024, description="Prompts one replica has in prefill at once: restored, then prefilled in block-aligned chunks, about prefill_step_tokens per decode step (fewest tokens left first and oldest first, by turns).",
     )
 
     @model_validator(mode="after")

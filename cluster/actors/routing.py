@@ -7,10 +7,13 @@ For every node with a replica of the model, from one index lookup:
                    + (bytes to pull from a peer / that link's bytes/s)         if pulling pays
 
 where the prefix it can restore is what it holds itself (RAM or disk), or
-what the best live peer holds on disk and it would pull first. A replica
-prefills its prompts first come, first served, so a new one waits for the
-prompt tokens already queued there: without that term a holder of the whole
-prompt would look instant however long its queue. The queue counted is the
+what the best live peer holds on disk and it would pull first. A new prompt
+waits for prompt tokens already queued on a replica: without that term a
+holder of the whole prompt would look instant however long its queue. The
+term is the most it waits: the replica gives half its prefill rounds to the
+prompts with the fewest tokens left (engine/scheduler.py), so a prompt with
+few uncached tokens can start sooner; the lease does not say how the queue's
+tokens split into prompts, so the bound stands. The queue counted is the
 other gateways' share of the replica's lease's `queued_tokens` (a flush old)
 plus this gateway's own requests sent there whose first token has not come yet
 (their uncached tokens: exact and immediate). The lease splits its counts by

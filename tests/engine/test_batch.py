@@ -199,3 +199,27 @@ def test_a_row_whose_processors_fail_fails_alone(load_builtin, scheduler):
     assert [tokens(events[0]), tokens(events[2])] == solo
     assert all(isinstance(e[-1], Finished) for e in (events[0], events[2]))
     assert scheduler.run(lambda: (scheduler.load()["active"], scheduler._batch._failed)) == (0, {})
+
+
+def test_short_prompts_are_not_held_behind_a_long_ones_prefill_nor_do_they_starve_it(load_builtin):
+    """Prompts of 20 tokens submitted with one of 640 (ten chunks) start first, each within a few rounds; the long
+    one still prefills in one round of every two. First come, first served held them all behind its ten."""
+    s = Scheduler(name="mlx-fleet-test", batching=True, decode_concurrency=8, prefill_concurrency=8)
+    try:
+        model, tok = s.run(lambda: load_builtin("tiny-dense"))
+        prompts = [prompt_of(640)] + [prompt_of(20, salt) for salt in range(1, 5)]
+        solo = s.run(lambda: [tokens(run_alone(seq(model, tok, p, 2))) for p in prompts])
+        seqs = [seq(model, tok, p, 2) for p in prompts]
+        log = []  # "|" at each prefill round, then who prefilled in it: the real calls, spied on
+        for name, q in zip(["long", "s0", "s1", "s2", "s3"], seqs):
+            q.prefill = lambda step, real=q.prefill, name=name: (log.append(name), real(step))[1]
+        rounds = s._prefill_round
+        s._prefill_round = lambda: (log.append("|"), rounds())[1]
+        events = serve_all(s, seqs)
+    finally:
+        s.stop()
+    assert [tokens(e) for e in events] == solo
+    turns = [r.split() for r in " ".join(log).split("|")[1:] if r.strip()]  # the rounds that prefilled
+    long_rounds = [i for i, r in enumerate(turns) if "long" in r]
+    assert len(long_rounds) >= 10 and all(b - a <= 2 for a, b in zip(long_rounds, long_rounds[1:])), turns
+    assert {n for r in turns[:long_rounds[-1]] for n in r} == {"long", "s0", "s1", "s2", "s3"}, turns
