@@ -7,8 +7,13 @@ Instead:
   whether its model thread is alive; the gateway's FleetView re-reads them
   every second in the background, and a model is healthy while at least one
   of its replicas holds a live, healthy lease;
-- when Redis cannot be asked, Serve's own view (the controller's replica
-  states) is the fallback, cached for `cache_s`.
+- when Redis cannot be asked, or its leases show no healthy replica of a
+  model, Serve's own view (the controller's replica states, cached for
+  `cache_s`) answers for it. A Redis that was just restarted is empty until
+  the replicas renew their leases (a second or two): taken alone, its leases
+  turned /health to 503 then, while requests were served all along.
+A replica that died is still healthy by its lease until the lease runs out,
+as it is in Serve's view until the controller notices.
 """
 
 from __future__ import annotations
@@ -33,10 +38,17 @@ class Health:
         self._lock = asyncio.Lock()
 
     async def check(self) -> dict:
-        """{"models": {name: bool}, "source": "leases" | "serve"}."""
+        """{"models": {name: bool}, "source": "leases" | "serve" | "leases+serve"}."""
         self.view.start()
         if self.view.ok:
-            return {"models": {m: any(r.healthy for r in self.view.of(m)) for m in self.models}, "source": "leases"}
+            leases = {m: any(r.healthy for r in self.view.of(m)) for m in self.models}
+            if all(leases.values()):
+                return {"models": leases, "source": "leases"}
+            serve = (await self._serve())["models"]
+            return {"models": {m: leases[m] or serve[m] for m in self.models}, "source": "leases+serve"}
+        return await self._serve()
+
+    async def _serve(self) -> dict:
         async with self._lock:
             now = time.monotonic()
             if self._cached is None or now - self._cached[0] >= self.cache_s:

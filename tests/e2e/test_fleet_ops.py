@@ -164,15 +164,18 @@ def test_status_without_redis_still_reports_the_replicas_from_serve(ops, headers
 
 
 def test_a_dead_redis_is_restarted_logged_and_counted(ops, headers):
+    """Health stays 200 throughout: while Redis is down (Serve's view), and while the new, empty Redis waits
+    for the replicas to renew their leases (a new user saw 503s then, with requests served all along)."""
     fleet, _ = ops
     pid = redis_pid(fleet)
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
+    deadline, health = time.monotonic() + 30, []
     while time.monotonic() < deadline:
         known = json.loads((fleet.data_dir / "supervisor.json").read_text())["redis"]
         if known["pid"] != pid and known["running"]:
             break
-        time.sleep(0.2)
+        health.append(httpx.get(f"{fleet.url}/health", timeout=30).status_code)
+        time.sleep(0.1)
     assert known["restarts"] == 1 and known["last_restart"]
     assert "restarting it (restart #1)" in (fleet.data_dir / "logs" / "supervisor.log").read_text()
     deadline = time.monotonic() + 30  # replicas renew their leases in the new Redis
@@ -180,7 +183,9 @@ def test_a_dead_redis_is_restarted_logged_and_counted(ops, headers):
         status = fleet.status()
         if status["replicas_source"] == "leases" and len(status["replicas"]) == 2 or time.monotonic() > deadline:
             break
-        time.sleep(0.5)
+        health.append(httpx.get(f"{fleet.url}/health", timeout=30).status_code)
+        time.sleep(0.1)
+    assert health and set(health) == {200}, health
     assert status["redis"]["reachable"] and status["redis"]["restarts"] == 1 and len(status["replicas"]) == 2
     assert status["redis"]["supervisor_running"] is True
     r = httpx.post(f"{fleet.url}/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 2},
