@@ -344,18 +344,19 @@ class Scheduler:
             order.sort(key=lambda j: j.seq.pending_prefill)  # stable: the oldest first among equals
         budget = order[0].seq.prefill_step
         for job in order:
-            if budget <= 0:
-                return
-            try:
-                budget -= job.seq.prefill(budget)
-                self._measure(job.seq)
-            except Exception as e:
-                self._prefilling.remove(job)
-                self._fail(job, e)
-                continue
-            if job.seq.prefilled:
+            while budget > 0 and not job.seq.prefilled:  # a chunk can be shorter than the budget (a checkpoint's)
+                try:
+                    budget -= job.seq.prefill(budget)
+                    self._measure(job.seq)
+                except Exception as e:
+                    self._prefilling.remove(job)
+                    self._fail(job, e)
+                    break
+            if job.seq.prefilled and job in self._prefilling:
                 self._prefilling.remove(job)
                 self._ready.append(job)
+            if budget <= 0:
+                return
 
     def _job_of(self, seq: Sequence):
         job = self._by_seq.get(id(seq))
