@@ -67,6 +67,7 @@ class FleetView:
         self.period_s = period_s
         self.replicas: dict[str, list[ReplicaInfo]] = {}
         self.fresh_at: Optional[float] = None  # monotonic time of the last good read
+        self.redis_started: Optional[float] = None  # monotonic time the Redis read last started (its uptime)
         self._task: Optional[asyncio.Task] = None
 
     @property
@@ -76,6 +77,11 @@ class FleetView:
 
     def of(self, model: str) -> list[ReplicaInfo]:
         return self.replicas.get(model, [])
+
+    def redis_age_s(self) -> float:
+        """How long the Redis read last has been up (inf before a read): a younger one than the lease TTL may
+        not hold every live replica's lease yet (a restarted Redis starts empty)."""
+        return float("inf") if self.redis_started is None else time.monotonic() - self.redis_started
 
     async def ensure(self, timeout_s: float) -> None:
         """Read the leases now if the view was never read (the first requests after a start)."""
@@ -100,8 +106,10 @@ class FleetView:
                 continue
             info = replica_info(msgpack.unpackb(raw, strict_map_key=False))
             out.setdefault(info.model, []).append(info)
+        uptime = (await self.client.info("server")).get("uptime_in_seconds")
         self.replicas = {m: sorted(v, key=lambda r: r.node_id) for m, v in out.items()}
         self.fresh_at = time.monotonic()
+        self.redis_started = None if uptime is None else self.fresh_at - float(uptime)
 
     async def _refresh_forever(self) -> None:
         while True:

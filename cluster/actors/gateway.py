@@ -103,7 +103,7 @@ class Gateway:
         self.view = FleetView(client)
         self.dispatch.router = Affinity(FleetIndex(client) if client is not None else None, self.view, config.routing)
         self.stats = GatewayStats(client, self.dispatch.router)
-        self.health_check = Health(self.view, {m.name: m.deployment for m in config.models})
+        self.health_check = Health(self.view, {m.name: m.deployment for m in config.models}, config.lease_ttl_s)
         log.info("gateway ready: %d model(s), %d API key(s)", len(config.models), len(front_door.keys))
 
     def check_health(self) -> None:

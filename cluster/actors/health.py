@@ -7,13 +7,14 @@ Instead:
   whether its model thread is alive; the gateway's FleetView re-reads them
   every second in the background, and a model is healthy while at least one
   of its replicas holds a live, healthy lease;
-- when Redis cannot be asked, or its leases show no healthy replica of a
-  model, Serve's own view (the controller's replica states, cached for
-  `cache_s`) answers for it. A Redis that was just restarted is empty until
-  the replicas renew their leases (a second or two): taken alone, its leases
-  turned /health to 503 then, while requests were served all along.
-A replica that died is still healthy by its lease until the lease runs out,
-as it is in Serve's view until the controller notices.
+- when Redis cannot be asked, Serve's own view (the controller's replica
+  states) is the fallback, cached for `cache_s`;
+- so is it for a model with no healthy lease while Redis is younger than a
+  lease's TTL: a restarted Redis starts empty, and the replicas renew their
+  leases within a third of the TTL. Taken alone, its leases turned /health to
+  503 for a second or two while requests were served all along. Past that, a
+  missing lease means a replica that stopped renewing it (dead or hung), which
+  Serve may not notice for tens of seconds.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class Health:
-    def __init__(self, view: FleetView, models: dict[str, str], cache_s: float = 1.0):
+    def __init__(self, view: FleetView, models: dict[str, str], lease_ttl_s: float, cache_s: float = 1.0):
         """`models` maps a model name to its Serve deployment name."""
         self.view = view
+        self.lease_ttl_s = lease_ttl_s
         self.models = models
         self.cache_s = cache_s
         self._cached: Optional[tuple[float, dict]] = None
@@ -42,10 +44,11 @@ class Health:
         self.view.start()
         if self.view.ok:
             leases = {m: any(r.healthy for r in self.view.of(m)) for m in self.models}
-            if all(leases.values()):
+            if all(leases.values()) or self.view.redis_age_s() >= self.lease_ttl_s:
                 return {"models": leases, "source": "leases"}
-            serve = (await self._serve())["models"]
-            return {"models": {m: leases[m] or serve[m] for m in self.models}, "source": "leases+serve"}
+            serve = (await self._serve())["models"]  # for a model with no lease at all: one not renewed yet
+            return {"models": {m: leases[m] or (not self.view.of(m) and serve[m]) for m in self.models},
+                    "source": "leases+serve"}
         return await self._serve()
 
     async def _serve(self) -> dict:
