@@ -125,14 +125,23 @@ class ShardRestore:
 def cache_on_every_rank(setup, group):
     """`setup` (this rank's CacheSetup) if every rank of the group set up a cache, else one without: a rank
     restoring while another cannot would part them (its probe failed, its family has no layout on its
-    layers). Every rank calls it right after setup_cache (model thread)."""
+    layers). Every rank calls it right after setup_cache (model thread).
+
+    The ranks' caches also take one checkpoint interval, the largest of theirs: each rank's own follows its
+    layers' state and KV bytes, which differ between a pipeline's stages, and on the block schedule a hybrid's
+    prefill chunks end where checkpoints are due. Left apart, the stages cut one prompt into different chunks
+    (a tiny-next stage every 64 tokens, the other at 512), so their forwards, whose sends and receives must
+    pair up, no longer did: MLX's ring streamed the bytes through only while each turn's chunks added up to
+    the same tokens on both."""
     import mlx.core as mx
 
     from cluster.kvcache.setup import CacheSetup
 
     model_thread.check("cache_on_every_rank")
-    every = int(mx.distributed.all_min(mx.array([int(setup.cache is not None)], mx.int32), group=group).item())
-    if every or setup.cache is None:
+    on_all = int(mx.distributed.all_min(mx.array([int(setup.cache is not None)], mx.int32), group=group).item())
+    if on_all:
+        setup.cache.every = int(mx.distributed.all_max(mx.array([setup.cache.every], mx.int32), group=group).item())
+    if on_all or setup.cache is None:
         return setup
     if setup.cache.tiers.disk is not None:
         setup.cache.tiers.disk.close()  # its spill thread, with nothing left to spill

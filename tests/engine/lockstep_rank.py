@@ -108,7 +108,9 @@ def main() -> int:
         alone = cache_on_every_rank(setup if leads else CacheSetup(None, None, "off"), group)  # one rank without
         result["alone"] = alone.disabled_reason if alone.cache is None else "kept"
         peer_store = DiskStore(Path(out).parent / f"peer{rank}")
+        own_every = setup.cache.every
         caches = [cache_on_every_rank(setup, group).cache]
+        result["every"] = [own_every, caches[0].every]  # this rank's checkpoint interval, and the one agreed
         for d, link in [("peer", LocalLink(peer_store)), ("fresh", None)]:  # a peer replica's rank, a fresh one's
             caches.append(setup_cache(model, tok, resolve_model(name, data_dir), CacheConfig(block_tokens=32, ram_bytes=1 << 30),
                                       Path(out).parent / f"{d}{rank}", store_link=link, prefill_step=64,

@@ -68,6 +68,11 @@ def test_two_ranks_serve_batched_requests_in_lockstep(name, mode, lead, data_dir
     # prefill cold (a rank restoring alone would part their shapes and hang their collectives).
     # A rank without a cache turns it off on every rank, at start (here the follower said "off").
     assert leader["alone"].startswith("another rank of this sharded replica runs without a prefix cache")
+    # One checkpoint interval on both ranks, the larger of theirs: on the block schedule a hybrid's prefill chunks
+    # end at checkpoints, and a pipeline's stages must cut the same chunks (tiny-next's stages, on their own: every
+    # 2 blocks, and only where a prompt's own checkpoints are due, as the stage without attention has no KV to
+    # weigh them against).
+    assert leader["every"][1] == follower["every"][1] == max(leader["every"][0], follower["every"][0])
     assert follower["alone"] == "off"
     cold, warm, dropped, peer, pulled = leader["cached"]
     assert cold["offered"] == peer["offered"] == 0 and warm["offered"] == dropped["offered"] > 0
