@@ -329,12 +329,13 @@ class Scheduler:
     def _prefill_round(self) -> None:
         """About one chunk's worth of prompt tokens (the first prompt's `prefill_step`), in one of two orders.
 
-        Most of the rounds' turns go fewest tokens left first (the oldest first among equals): a short prompt
-        that comes while a long one prefills starts within a round, where first come, first served held it
+        Every other round goes fewest tokens left first (the oldest first among equals): a short prompt that
+        comes while a long one prefills starts within a round or two, where first come, first served held it
         behind the long one's whole prefill (a 3-token request waited 27 s behind 7k tokens on a 2-core CPU).
         A burst of equal prompts still goes one at a time, so the first answers after its own prefill alone,
-        not after all of theirs. Every other round goes oldest first, so a long prompt keeps at least half the
-        rounds however many short ones keep coming."""
+        not after all of theirs. The rounds between go oldest first, so a long prompt keeps at least half the
+        rounds however many short ones keep coming. In each, a prompt prefills until it is done or the budget
+        is spent (a chunk may be shorter than it: a checkpoint's), then the next."""
         self._prefilling = deque(j for j in self._prefilling if not j.seq.done)
         if not self._prefilling:
             return
