@@ -67,7 +67,7 @@ class FleetView:
         self.period_s = period_s
         self.replicas: dict[str, list[ReplicaInfo]] = {}
         self.fresh_at: Optional[float] = None  # monotonic time of the last good read
-        self.redis_started: Optional[float] = None  # monotonic time the Redis read last started (its uptime)
+        self.redis_started: Optional[float] = None  # when (monotonic) the Redis last read was started: its uptime
         self._task: Optional[asyncio.Task] = None
 
     @property
@@ -79,7 +79,7 @@ class FleetView:
         return self.replicas.get(model, [])
 
     def redis_age_s(self) -> float:
-        """How long the Redis read last has been up (inf before a read): a younger one than the lease TTL may
+        """How long the Redis last read has been up (inf before a read): one younger than the lease TTL may
         not hold every live replica's lease yet (a restarted Redis starts empty)."""
         return float("inf") if self.redis_started is None else time.monotonic() - self.redis_started
 
