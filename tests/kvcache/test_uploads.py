@@ -53,20 +53,23 @@ def test_blocks_move_in_batches_as_they_are_read_and_the_hit_is_cold_exact(disk_
     events = record(h, monkeypatch)
     prefetch = Admission(h.pc).fetch(prompt)
     m = -(-prefetch.n // h.B)
-    assert prefetch.n > 0 and prefetch.from_disk == m and m % 2 == 1
+    # m is odd where the hit resumes at a block (the CPU's schedule: 299 of 300 tokens), even where it resumes at
+    # a chunk's cut (a GPU's: 256), which holds whole pairs.
+    assert prefetch.n > 0 and prefetch.from_disk == m
     me = threading.current_thread().name  # the admission ran on the model thread's (the main) thread: at once
     want = []
     for j in range(m):
         want.append(("read", j))
         if j % 2 == 1:
             want.append(("move", [j - 1, j], me))
-    want.append(("move", [m - 1], me))  # what is left after the last read
+    if m % 2:
+        want.append(("move", [m - 1], me))  # what is left after the last read
     assert events == want
     ids = chain_ids(h.pc.namespace, prompt, h.B)[:m]
     assert all(isinstance(prefetch.blocks[k], DeviceBlock) for k in ids)
     assert h.pc.tiers.ram.present(ids) == [True] * m  # moved into RAM before the restore: the next hit is there
     warm = h._run(prompt, 12, BlockSession(h.pc, list(prompt), prefetch))
-    assert warm.cached == prefetch.n and [e for e in events if e[0] == "move"][-1] == ("move", [m - 1], me)
+    assert warm.cached == prefetch.n and [e for e in events if e[0] == "move"][-1] == want[-1]  # no move since
     h.assert_same(warm, h.cold(prompt))
 
 
@@ -151,7 +154,8 @@ def test_a_batchs_read_buffers_go_back_to_the_pool_once_it_is_moved(disk_harness
                         lambda blocks, runs: returned_at_moves.append(len(back)) or from_host(blocks, runs))
     prefetch = Admission(h.pc).fetch(prompt)
     m = -(-prefetch.n // h.B)
-    assert m == 9 and len(returned_at_moves) == 5 and pool.counters["pinned"] + pool.counters["reused"] == m
+    assert prefetch.from_disk == m and len(returned_at_moves) == -(-m // 2)  # two blocks a batch, the rest last
+    assert pool.counters["pinned"] + pool.counters["reused"] == m
     # Before the k-th move, every block of the batches before it went back, but the one the read loop still
     # holds (the last read's, until the next arrives).
     assert all(got >= 2 * k - 1 for k, got in enumerate(returned_at_moves)), returned_at_moves
