@@ -21,5 +21,6 @@ def test_a_row_has_cold_captures_and_bitwise_hits(tmp_path, monkeypatch):
     assert row["same_first_token"] and row["ram_logit_diff"] == 0.0 and row["disk_logit_diff"] == 0.0
     assert [len(row["runs_s"][k]) for k in ("cold", "capture", "ram", "disk", "chosen")] == [2, 2, 2, 2, 2]
     assert row["chosen_worst_vs_cold"] == max(row["runs_s"]["chosen"]) / row["cold_s"]
+    assert row["chosen_worst_vs_capture"] == max(row["runs_s"]["chosen"]) / row["capture_s"]
     # both disk runs restored: the disk figure is theirs, and, every chosen run restoring, no recompute figure
     assert row["disk_s"] == statistics.median(row["runs_s"]["disk"]) and row["disk_recompute_s"] is None
