@@ -141,13 +141,13 @@ def test_the_summary_records_settings_as_json_values_never_the_key():
 def test_the_runner_compares_policies_on_fresh_fleets_and_stops_them(tmp_path):
     out = tmp_path / "compare"
     r = loadtest("--routing", "affinity", "pow2", "--nodes", "1", "--workload", "shared", "--users", "3",
-                 "--spawn-rate", "3", "--requests", "12", "--verify-fraction", "0", "--out", str(out))
+                 "--spawn-rate", "3", "--requests", "6", "--verify-fraction", "0", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["runs"]) == ["affinity", "pow2"]
     assert list(summary["ratios"]) == ["pow2/affinity"]
     for name, run in summary["runs"].items():
-        assert run["requests"] >= 12 and run["failures"] == 0, name
+        assert run["requests"] >= 6 and run["failures"] == 0, name
         assert set(run["ttft_s_by_workload"]) == {"shared"}
         assert run["fleet"]["reuse"] is not None  # the fleet's own numbers, taken before it stopped
     assert "pow2/affinity: TTFT p50 x" in r.stdout
