@@ -30,8 +30,9 @@ Per model, on one prompt of `tokens` tokens (max_tokens=1, greedy), each figure 
             1.25 x the blocks' bytes / the disk's read bandwidth measured on those files (4
             readers, page cache dropped), plus the prefill left after the restore at the cold
             run's speed (it ends with the forward of the last token). A prompt's tail is RAM
-            only, so the disk hit restores to the last cut. `admission_s` lists each RAM and disk hit's admission stage (lookups,
-            the choice, reads), so a row shows where a hit's time went.
+            only, so the disk hit restores to the last cut. `admission_s` lists each RAM and
+            disk hit's admission stage (lookups, the choice, reads), so a row shows where a
+            hit's time went.
 The target is cached/cold <= 0.05 on a realistic-shape model from RAM, and disk <= its limit.
 With --vs-mlx-lm-server, mlx_lm.server's cold and cached TTFT on the same model and prompt
 length (bench/mlx_lm_server.py) join each row, and `ram_vs_server` compares the RAM hit with
