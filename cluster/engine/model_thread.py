@@ -26,7 +26,9 @@ eval, and the rule is enforced by structure, not by the guard.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 
 GUARD_ENV = "MLX_FLEET_THREAD_GUARD"
@@ -55,6 +57,21 @@ def claim() -> None:
 def release() -> None:
     with _lock:
         _owners.pop(threading.get_ident(), None)
+
+
+def release_streams() -> None:
+    """Destroy the calling thread's MLX streams now, at the end of a thread that did MLX work.
+
+    Streams are per thread, and MLX otherwise destroys a thread's GPU streams in its exit (thread-local
+    destructors, after Python has let go of the thread). On MLX's CUDA backend that teardown can end the
+    whole process with "terminate called without an active exception": seen on an H100 while the main
+    thread evaluated just after a test's model thread stopped, and at a bench's exit. MLX's maintainers
+    ask for `clear_streams` at the end of threads and of the process (ml-explore/mlx#4110), where it runs
+    as an ordinary call: work still queued on the streams is waited for first."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.clear_streams()
 
 
 def on_model_thread() -> bool:
@@ -122,3 +139,14 @@ def warm(model) -> None:
     mx.eval(model(mx.array([[5, 6, 7]]), cache=cache))
     with invariant.one_query():  # as a decode step runs (on CUDA the kernel: compiled here, not on a request)
         mx.eval(model(mx.array([[8]]), cache=cache))
+
+
+@atexit.register
+def _release_main_streams() -> None:
+    """The main thread's streams, at the interpreter's exit (it loads models; a script runs them there).
+    Registered before the schedulers' exit hook, so it runs after their threads have stopped."""
+    if "mlx.core" in sys.modules and threading.current_thread() is threading.main_thread():
+        try:
+            release_streams()
+        except Exception:  # exiting anyway
+            pass

@@ -26,10 +26,12 @@ While no sequence is in flight it runs the idle work registered with
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -55,6 +57,18 @@ class Job:
     seq: Sequence
     emit: Emit
     origin: str = ""  # the gateway that sent it (its loads are split by gateway: see load())
+
+
+_live: weakref.WeakSet = weakref.WeakSet()  # model threads running now (stopped at exit)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every model thread still running when the interpreter exits, so that each releases its MLX
+    streams itself (model_thread.release_streams). A daemon thread left running would be torn down during
+    finalization, where MLX's CUDA backend can abort the process."""
+    for scheduler in list(_live):
+        scheduler.stop()
 
 
 class Scheduler:
@@ -208,10 +222,16 @@ class Scheduler:
 
     def _main(self) -> None:
         model_thread.claim()
+        _live.add(self)
         try:
             self._run()
         finally:
+            _live.discard(self)
             model_thread.release()
+            try:
+                model_thread.release_streams()
+            except Exception:  # the thread ends either way; what failed is logged
+                log.exception("releasing the model thread's MLX streams failed")
 
     def _prepare_turn(self) -> bool:
         """Take in what arrived; whether to run a turn now (a sharded model's ranks agree on it first)."""
