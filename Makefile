@@ -12,6 +12,9 @@ MODEL  ?=
 PORT   ?= 8000
 ARGS   ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: the fleet tests run one after another on one of them (tests/conftest.py),
+# the in-process suites on the others. 0 runs everything in this process, one test at a time.
+TEST_WORKERS ?= 2
 # MLX's backend on Linux: cpu (the default) or cuda (MLX's CUDA 13 wheel; docs/gpu.md). macOS always has Metal.
 BACKEND ?= cpu
 # Where the fleet's state lives; the same for up, down and status. Empty: $$MLX_FLEET_DATA_DIR, else ~/.mlx-fleet.
@@ -32,7 +35,7 @@ status: $(VENV)/.installed-base
 	$(BIN)/mlx-fleet status $(DATA_FLAG)
 
 test: $(VENV)/.installed-test redis netns-tools
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 deps: $(VENV)/.installed-test redis
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -13,6 +14,38 @@ os.environ["MLX_FLEET_THREAD_GUARD"] = "1"
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+FLEET_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.fleet\b", re.M)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`make test` runs two workers): every fleet test on one worker, in order; each other
+    module on whichever worker is free (its module-scoped fixtures set up once).
+
+    A fleet's Ray, Redis and replicas want the machine's cores: two fleets starting at once on a 2-core box
+    would each be slower than one after the other, and their timings are what those tests watch. The
+    in-process suites (one core: MLX on the CPU, a model at a time) run on the other worker meanwhile.
+    A fleet module is one whose `pytestmark` names the fleet mark (the scheduler sees node ids, not marks;
+    tests/test_structure.py checks that every module starting a fleet says so there). xdist's own
+    `loadgroup` does not group under pytest 9 (its group suffix on node ids no longer takes), hence this."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root, fleet_modules = config.rootpath, {}
+
+    def is_fleet(module: str) -> bool:
+        if module not in fleet_modules:
+            path = root / module
+            fleet_modules[module] = path.is_file() and bool(FLEET_MARK.search(path.read_text()))
+        return fleet_modules[module]
+
+    class FleetsInOrder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "fleets" if is_fleet(module) else module
+
+    return FleetsInOrder(config, log)
 
 
 @pytest.fixture(scope="session")

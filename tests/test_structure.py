@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, and the gateway process never needs MLX."""
+"""The package's shape: no import cycles, and the gateway process never needs MLX. And the tests' own: every
+module that starts a fleet is marked as a fleet module, which `make test` runs on one worker (tests/conftest.py)."""
 
 import ast
 import subprocess
@@ -114,3 +115,20 @@ def test_importing_the_actors_changes_nothing_in_ray():
             "import cluster.actors, cluster.actors.app; print(r.add_port_to_grpc_server is before)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr
+
+
+STARTS_A_FLEET = ("LocalFleet(", '"up", "-y"')  # a local fleet, or a real `ray up`
+
+
+def test_every_module_that_starts_a_fleet_is_a_fleet_module():
+    """conftest's scheduler finds fleet modules by their `pytestmark`: one left unmarked would start its fleet
+    beside another one, on the other worker."""
+    from tests.conftest import FLEET_MARK
+
+    starting = {p for p in (ROOT / "tests").rglob("test_*.py")
+                if p != Path(__file__) and any(x in p.read_text() for x in STARTS_A_FLEET)}
+    marked = {p for p in (ROOT / "tests").rglob("test_*.py") if FLEET_MARK.search(p.read_text())}
+    assert starting and starting <= marked, sorted(str(p.relative_to(ROOT)) for p in starting - marked)
+    # the pattern sees the mark however the module writes it
+    assert FLEET_MARK.search("pytestmark = [pytest.mark.fleet, pytest.mark.timeout(600)]")
+    assert not FLEET_MARK.search("pytestmark = pytest.mark.fleetish") and not FLEET_MARK.search("# pytest.mark.fleet")
