@@ -58,3 +58,37 @@ def test_run_returns_results_and_raises_errors_from_the_model_thread():
         assert scheduler.alive
     finally:
         scheduler.stop()
+
+
+def test_a_model_thread_releases_its_streams_as_it_ends(monkeypatch):
+    """MLX destroys a thread's GPU streams in the thread's exit unless it clears them first, and on CUDA that
+    teardown can abort the process: a Scheduler's thread clears its own, on that thread, as its last act."""
+    ended = []
+    monkeypatch.setattr(model_thread, "release_streams", lambda: ended.append(threading.current_thread().name))
+    scheduler = Scheduler(name="mlx-fleet-ending")
+    assert scheduler.run(work) == 9.0 and ended == []
+    scheduler.stop()
+    assert ended == ["mlx-fleet-ending"] and not scheduler.alive
+
+
+def test_schedulers_left_running_are_stopped_at_exit_and_release_their_streams(tmp_path):
+    """A process that exits with a model thread still running (a replica's, a bench's) stops it first, so the
+    thread ends as above instead of being torn down during the interpreter's finalization."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading\n"
+        "from cluster.engine import model_thread\n"
+        "from cluster.engine.scheduler import Scheduler\n"
+        "real = model_thread.release_streams\n"
+        "def release():\n"
+        "    real()\n"
+        "    print('released on', threading.current_thread().name, flush=True)\n"
+        "model_thread.release_streams = release\n"
+        "import mlx.core as mx\n"
+        "s = Scheduler(name='left-running')\n"
+        "print(s.run(lambda: (mx.array([1.0, 2.0]) * 3).sum().item()), flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["9.0", "released on left-running", "released on MainThread"], r.stdout
