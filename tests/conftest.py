@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -46,6 +47,23 @@ def pytest_xdist_make_scheduler(config, log):
             return "fleets" if is_fleet(module) else module
 
     return FleetsInOrder(config, log)
+
+
+def pytest_runtest_setup(item):
+    """Under xdist, an in-process test runs at nice 10 and a fleet test at 0: the fleet's Ray, Redis and
+    replicas (started from the worker, so at its priority) get the cores first, and the in-process suites
+    take what they leave. Their timings are what the fleet tests watch. Linux sets nice per thread: every
+    thread of the worker (MLX's own too) is set. Lowering it back needs root (`make test` on the CI box);
+    without, everything stays as it is."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    want = 0 if item.get_closest_marker("fleet") else 10
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) != want:
+                os.setpriority(os.PRIO_PROCESS, int(tid), want)
+    except OSError:  # a thread gone meanwhile, or no right to lower it: leave the rest as it is
+        pass
 
 
 @pytest.fixture(scope="session")
