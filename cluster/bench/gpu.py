@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -53,16 +54,39 @@ def run_part(name: str, argv: list[str], out: Path, timeout_s: float) -> dict:
             rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    print(f"gpu run: {name}: {'exit ' + str(rc) if rc != 'timeout' else 'timed out'} "
-          f"in {time.monotonic() - t0:.0f} s", flush=True)
+    how = "timed out" if rc == "timeout" else f"killed by {_signal_name(-rc)}" if rc < 0 else f"exit {rc}"
+    print(f"gpu run: {name}: {how} in {time.monotonic() - t0:.0f} s", flush=True)
     return {"rc": rc, "seconds": round(time.monotonic() - t0, 1)}
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+RESULTS = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "error", "XFAIL": "xfailed",
+           "XPASS": "xpassed"}
+
+
 def test_counts(log: Path) -> dict:
-    """pytest's final counts ("3 failed, 410 passed, 2 skipped in 95.1s") and the failed tests' ids."""
+    """pytest's final counts ("3 failed, 410 passed, 2 skipped in 95.1s") and the failed tests' ids.
+
+    A run cut short (its timeout, or its process killed: an abort in MLX's CUDA backend ends it with no
+    summary) has no final line: then the counts are those of the tests that ended (-v names each), and
+    `running` is the test that was running when it was cut, the first place to look."""
     text = log.read_text(errors="replace") if log.is_file() else ""
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", 
-                                                 text.rsplit("\n=", 1)[-1])}
+    tail = text.rsplit("\n=", 1)[-1]
+    if re.search(r"\bin [\d.]+s\b", tail):  # the final line: "=== 3 failed, 410 passed in 95.1s (0:01:35) ==="
+        counts: dict = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", tail)}
+    else:
+        counts = {}
+        for word in re.findall(rf"^\S+::\S+ ({'|'.join(RESULTS)})\b", text, re.M):
+            counts[RESULTS[word]] = counts.get(RESULTS[word], 0) + 1
+        started = re.findall(r"^(\S+::\S+)(?: (\w+))?", text, re.M)
+        if started and started[-1][1] not in RESULTS:
+            counts["running"] = started[-1][0]
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M))
                     | set(re.findall(r"^(\S+::\S+) (?:FAILED|ERROR)", text, re.M)))  # -v: as each ends
     return {**counts, "failed_tests": failed}
@@ -75,9 +99,11 @@ def merged(groups: list[dict]) -> dict:
                  "seconds": max(g["seconds"] for g in groups)}
     for g in groups:
         for k, v in g.items():
-            if k not in ("rc", "seconds", "suites", "failed_tests"):
+            if k not in ("rc", "seconds", "suites", "failed_tests", "running"):
                 out[k] = out.get(k, 0) + v
     out["failed_tests"] = sorted({t for g in groups for t in g["failed_tests"]})
+    if any("running" in g for g in groups):  # groups cut short: what each was running then
+        out["running_when_cut"] = [g["running"] for g in groups if "running" in g]
     out["groups"] = groups
     return out
 

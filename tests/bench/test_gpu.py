@@ -30,3 +30,23 @@ def test_groups_run_at_once_add_up_to_one_summary():
                               "failed_tests": ["tests/kvcache/test_a.py::t", "tests/kvcache/test_b.py::t"],
                               "groups": [a, b]}
     assert merged([a, c])["rc"] == "timeout" and merged([a])["rc"] == 0
+
+
+def test_a_group_whose_process_aborted_counts_what_ended_and_names_the_test_running(tmp_path):
+    """As on the H100 (seventeenth session): MLX's CUDA backend aborted the process, so pytest wrote no summary."""
+    log = tmp_path / "tests-3.log"
+    log.write_text("collecting ... collected 345 items\n\n"
+                   "tests/kvcache/test_admission.py::test_a[tiny-dense] PASSED [  0%]\n"
+                   "tests/kvcache/test_batch_restore.py::test_b[tiny-dense] SKIPPED [  1%]\n"
+                   "tests/kvcache/test_batch_restore.py::test_c[tiny-swa] PASSED [  2%]\n"
+                   "tests/kvcache/test_canonical_schedule.py::test_d[float32-224-tiny-dense] Fatal Python error: "
+                   "Aborted\n\nCurrent thread 0x00007f0c8d936140 (most recent call first):\n"
+                   '  File "/work/main/cluster/engine/model_thread.py", line 90 in guarded\n')
+    got = counts_of(log)
+    assert got == {"passed": 2, "skipped": 1, "failed_tests": [],
+                   "running": "tests/kvcache/test_canonical_schedule.py::test_d[float32-224-tiny-dense]"}
+    whole = {"suites": ["tests/engine"], "rc": 0, "seconds": 300.0, "passed": 94, "failed_tests": []}
+    summary = merged([whole, {"suites": ["tests/kvcache"], "rc": -6, "seconds": 42.0, **got}])
+    assert (summary["rc"], summary["passed"], summary["skipped"]) == (-6, 96, 1)
+    assert summary["running_when_cut"] == ["tests/kvcache/test_canonical_schedule.py::test_d[float32-224-tiny-dense]"]
+    assert "running_when_cut" not in merged([whole])
