@@ -18,6 +18,24 @@ import pytest  # noqa: E402
 
 
 FLEET_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.fleet\b", re.M)
+_fleet_modules: dict[Path, bool] = {}
+
+
+def is_fleet_module(path: Path) -> bool:
+    """Whether the test module at `path` is marked a fleet module, on its `pytestmark` line (read once)."""
+    if path not in _fleet_modules:
+        _fleet_modules[path] = path.is_file() and bool(FLEET_MARK.search(path.read_text()))
+    return _fleet_modules[path]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The scheduler below finds fleet modules by their text; a fleet mark it cannot see (set on a function,
+    or spread over lines) would start a fleet beside another one. Such a module is refused here."""
+    unseen = sorted({str(item.path) for item in items
+                     if item.get_closest_marker("fleet") and not is_fleet_module(item.path)})
+    if unseen:
+        raise pytest.UsageError(f"fleet tests outside a module marked on one line `pytestmark = ... "
+                                f"pytest.mark.fleet ...`: {', '.join(unseen)}")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -33,37 +51,36 @@ def pytest_xdist_make_scheduler(config, log):
     `loadgroup` does not group under pytest 9 (its group suffix on node ids no longer takes), hence this."""
     from xdist.scheduler import LoadScopeScheduling
 
-    root, fleet_modules = config.rootpath, {}
-
-    def is_fleet(module: str) -> bool:
-        if module not in fleet_modules:
-            path = root / module
-            fleet_modules[module] = path.is_file() and bool(FLEET_MARK.search(path.read_text()))
-        return fleet_modules[module]
+    if config.getvalue("dist") != "load":  # another --dist asked for: xdist's own
+        return None
+    root = config.rootpath
 
     class FleetsInOrder(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "fleets" if is_fleet(module) else module
+            return "fleets" if is_fleet_module(root / module) else module
 
     return FleetsInOrder(config, log)
 
 
+BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0  # `make test`'s own
+
+
 def pytest_runtest_setup(item):
-    """Under xdist, an in-process test runs at nice 10 and a fleet test at 0: the fleet's Ray, Redis and
-    replicas (started from the worker, so at its priority) get the cores first, and the in-process suites
-    take what they leave. Their timings are what the fleet tests watch. Linux sets nice per thread: every
-    thread of the worker (MLX's own too) is set. Lowering it back needs root (`make test` on the CI box);
-    without, everything stays as it is."""
+    """Under xdist, an in-process test runs 10 nicer than `make test` was started, and a fleet test as it was:
+    the fleet's Ray, Redis and replicas (started from the worker, so at its priority) get the cores first, and
+    the in-process suites take what they leave. Their timings are what the fleet tests watch. Linux sets nice
+    per thread: every thread of the worker (MLX's own too) is set. Lowering it back needs root (`make test` on
+    the CI box); without, a thread stays as it is."""
     if "PYTEST_XDIST_WORKER" not in os.environ or not sys.platform.startswith("linux"):
         return
-    want = 0 if item.get_closest_marker("fleet") else 10
-    try:
-        for tid in os.listdir("/proc/self/task"):
+    want = BASE_NICE + (0 if item.get_closest_marker("fleet") else 10)
+    for tid in os.listdir("/proc/self/task"):
+        try:
             if os.getpriority(os.PRIO_PROCESS, int(tid)) != want:
                 os.setpriority(os.PRIO_PROCESS, int(tid), want)
-    except OSError:  # a thread gone meanwhile, or no right to lower it: leave the rest as it is
-        pass
+        except OSError:  # a thread gone meanwhile, or no right to lower it: that one stays as it is
+            pass
 
 
 @pytest.fixture(scope="session")

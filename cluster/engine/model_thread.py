@@ -30,6 +30,8 @@ import atexit
 import os
 import sys
 import threading
+import time
+from typing import Protocol
 
 GUARD_ENV = "MLX_FLEET_THREAD_GUARD"
 
@@ -70,8 +72,29 @@ def release_streams() -> None:
     as an ordinary call: work still queued on the streams is waited for first."""
     import mlx.core as mx
 
-    mx.synchronize()
-    mx.clear_streams()
+    try:
+        mx.synchronize()  # the default stream's work, before its stream goes (it raises after a CUDA error)
+    finally:
+        mx.clear_streams()
+
+
+class Stoppable(Protocol):
+    def request_stop(self, drain: bool = True) -> None: ...
+    def wait_stopped(self, timeout_s: float | None = None) -> bool: ...
+
+
+_running: set = set()  # the owners of model threads running now (Schedulers), stopped at the process's exit
+EXIT_WAIT_S = 10.0  # how long the exit waits for them, all together
+
+
+def running(owner: Stoppable) -> None:
+    with _lock:
+        _running.add(owner)
+
+
+def ended(owner: Stoppable) -> None:
+    with _lock:
+        _running.discard(owner)
 
 
 def on_model_thread() -> bool:
@@ -142,11 +165,29 @@ def warm(model) -> None:
 
 
 @atexit.register
-def _release_main_streams() -> None:
-    """The main thread's streams, at the interpreter's exit (it loads models; a script runs them there).
-    Registered before the schedulers' exit hook, so it runs after their threads have stopped."""
+def _at_exit() -> None:
+    """At the interpreter's exit: stop every model thread still running, then release the main thread's streams.
+
+    A model thread left running would be torn down during finalization, where MLX's CUDA backend can abort
+    the process; stopped here, each releases its own streams as it ends (without the idle drain: the pools
+    its spills use are shut by now). The main thread loads models, and a script runs them there. After
+    this, MLX work on the main thread fails ("There is no Stream(...) in current thread"): exit hooks that
+    were registered before this module was imported run after it."""
+    with _lock:
+        owners = list(_running)
+    for owner in owners:
+        try:
+            owner.request_stop(drain=False)
+        except Exception:  # exiting anyway: the others still get their stop
+            pass
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for owner in owners:
+        try:
+            owner.wait_stopped(max(0.0, deadline - time.monotonic()))
+        except Exception:
+            pass
     if "mlx.core" in sys.modules and threading.current_thread() is threading.main_thread():
         try:
             release_streams()
-        except Exception:  # exiting anyway
+        except Exception:
             pass

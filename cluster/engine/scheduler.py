@@ -26,12 +26,10 @@ While no sequence is in flight it runs the idle work registered with
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -59,18 +57,6 @@ class Job:
     origin: str = ""  # the gateway that sent it (its loads are split by gateway: see load())
 
 
-_live: weakref.WeakSet = weakref.WeakSet()  # model threads running now (stopped at exit)
-
-
-@atexit.register
-def _stop_at_exit() -> None:
-    """Stop every model thread still running when the interpreter exits, so that each releases its MLX
-    streams itself (model_thread.release_streams). A daemon thread left running would be torn down during
-    finalization, where MLX's CUDA backend can abort the process."""
-    for scheduler in list(_live):
-        scheduler.stop()
-
-
 class Scheduler:
     """A thread that owns the model and runs its sequences, batched or one step each in turn."""
 
@@ -94,6 +80,7 @@ class Scheduler:
         self.invariant, self.pad_rows = invariant, pad_rows
         self.deterministic = "on" if invariant else "off"  # how batched rows equal solo ones (status)
         self._stopping = False
+        self._drain_at_stop = True  # idle work left (spills) gets DRAIN_IDLE_S at stop (not at the process's exit)
         self.steps = 0
         self._prefill_rounds = 0
         self.batched_steps = 0
@@ -102,6 +89,7 @@ class Scheduler:
         self._idle: list[Callable[[], bool]] = []  # model-thread work for when no sequence is in flight
         self.broken = ""  # why this scheduler can serve no more (a sharded model lost a rank: sharded_scheduler.py)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        model_thread.running(self)  # stopped at the process's exit if still running then
         self._thread.start()
 
     @property
@@ -215,23 +203,29 @@ class Scheduler:
         inbox has been empty for IDLE_POLL_S. A request that arrives waits for one call at most."""
         self.call(lambda: self._idle.append(fn))
 
-    def stop(self) -> None:
+    def stop(self, drain: bool = True) -> None:
+        """End the model thread and wait for it (10 s at most); from the model thread itself, only ask."""
+        self.request_stop(drain)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def request_stop(self, drain: bool = True) -> None:
+        """Ask the model thread to end after its current turn; `drain`: give idle work left DRAIN_IDLE_S."""
+        self._drain_at_stop = drain
         self._stopping = True
         self._inbox.put(("stop", "", None, None))
-        self._thread.join(timeout=10)
 
     def _main(self) -> None:
         model_thread.claim()
-        _live.add(self)
         try:
             self._run()
         finally:
-            _live.discard(self)
             model_thread.release()
             try:
                 model_thread.release_streams()
             except Exception:  # the thread ends either way; what failed is logged
                 log.exception("releasing the model thread's MLX streams failed")
+            model_thread.ended(self)
 
     def _prepare_turn(self) -> bool:
         """Take in what arrived; whether to run a turn now (a sharded model's ranks agree on it first)."""
@@ -262,7 +256,7 @@ class Scheduler:
         for job in list(self._jobs.values()):
             job.seq.close()
             job.emit([Failed("replica is shutting down", status=503)])
-        deadline = time.monotonic() + DRAIN_IDLE_S  # what waits for idle (spills) goes out before the end
+        deadline = time.monotonic() + (DRAIN_IDLE_S if self._drain_at_stop else 0)  # spills go out before the end
         while time.monotonic() < deadline and self._idle_round():
             time.sleep(IDLE_POLL_S)
 

@@ -1,5 +1,7 @@
 """All MLX work of a replica belongs on its model thread: the guard trips when it runs anywhere else."""
 
+import subprocess
+import sys
 import threading
 
 import mlx.core as mx
@@ -71,24 +73,51 @@ def test_a_model_thread_releases_its_streams_as_it_ends(monkeypatch):
     assert ended == ["mlx-fleet-ending"] and not scheduler.alive
 
 
-def test_schedulers_left_running_are_stopped_at_exit_and_release_their_streams(tmp_path):
-    """A process that exits with a model thread still running (a replica's, a bench's) stops it first, so the
-    thread ends as above instead of being torn down during the interpreter's finalization."""
-    import subprocess
-    import sys
+def test_streams_are_cleared_even_when_the_last_sync_fails(monkeypatch):
+    """After a CUDA error mx.synchronize raises; the streams must still go, or the thread's exit tears them
+    down."""
+    cleared = []
 
-    script = (
-        "import threading\n"
-        "from cluster.engine import model_thread\n"
-        "from cluster.engine.scheduler import Scheduler\n"
-        "real = model_thread.release_streams\n"
-        "def release():\n"
-        "    real()\n"
-        "    print('released on', threading.current_thread().name, flush=True)\n"
-        "model_thread.release_streams = release\n"
-        "import mlx.core as mx\n"
-        "s = Scheduler(name='left-running')\n"
-        "print(s.run(lambda: (mx.array([1.0, 2.0]) * 3).sum().item()), flush=True)\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["9.0", "released on left-running", "released on MainThread"], r.stdout
+    def failing():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(mx, "synchronize", failing)
+    monkeypatch.setattr(mx, "clear_streams", lambda: cleared.append(True))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        model_thread.release_streams()
+    assert cleared == [True]
+
+
+def test_a_stop_asked_on_the_model_thread_itself_does_not_wait_for_itself():
+    scheduler = Scheduler(name="mlx-fleet-self-stop")
+    scheduler.run(lambda: scheduler.stop())  # a finalizer running there, say: it asks, and the thread ends
+    assert scheduler.wait_stopped(10) and scheduler.stopping
+
+
+EXITING = """
+import atexit, sys, threading
+from cluster.engine import model_thread
+from cluster.engine.scheduler import Scheduler
+real = model_thread.release_streams
+def release():
+    real()
+    print("released on", threading.current_thread().name, flush=True)
+model_thread.release_streams = release
+if sys.argv[1] == "without-the-hook":
+    atexit.unregister(model_thread._at_exit)
+import mlx.core as mx
+s = Scheduler(name="left-running")
+print(s.run(lambda: (mx.array([1.0, 2.0]) * 3).sum().item()), flush=True)
+"""
+
+
+def test_schedulers_left_running_are_stopped_at_exit_and_release_their_streams():
+    """A process that exits with a model thread still running (a bench's, a script's) stops it first, so the
+    thread ends as above instead of being torn down during the interpreter's finalization; then the main
+    thread releases its own. Without the exit hook neither happens (the negative control)."""
+    def exits(how: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", EXITING, how], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    assert exits("with-the-hook") == ["9.0", "released on left-running", "released on MainThread"]
+    assert exits("without-the-hook") == ["9.0"]
