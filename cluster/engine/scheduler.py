@@ -203,9 +203,9 @@ class Scheduler:
         inbox has been empty for IDLE_POLL_S. A request that arrives waits for one call at most."""
         self.call(lambda: self._idle.append(fn))
 
-    def stop(self, drain: bool = True) -> None:
+    def stop(self) -> None:
         """End the model thread and wait for it (10 s at most); from the model thread itself, only ask."""
-        self.request_stop(drain)
+        self.request_stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 
